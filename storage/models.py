@@ -1,0 +1,173 @@
+"""The relational schema, as SQLAlchemy 2 typed models.
+
+The schema exists only through Alembic migrations (``migrations/``); these classes mirror it.
+Times the API shows are unix seconds (integers, as the OpenAI wire format has them); lease times
+are float unix seconds. Relationships are ``lazy="raise"`` so a hidden lazy load fails loudly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY.
+BigIntPK = BigInteger().with_variant(Integer, "sqlite")
+JSONType = JSON().with_variant(JSONB, "postgresql")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    created_at: Mapped[int] = mapped_column(BigInteger)
+
+
+class ApiKey(Base):
+    """An API key; only its SHA-256 is stored."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    #: The first characters of the key, to tell keys apart in listings.
+    prefix: Mapped[str] = mapped_column(String(16))
+    name: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    revoked_at: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class File(Base):
+    """A stored file: metadata here, bytes in the blob store under ``blob_key``."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    #: Insertion order, for stable pagination (ids are random).
+    seq: Mapped[int] = mapped_column(BigIntPK, autoincrement=True, unique=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    filename: Mapped[str] = mapped_column(String(512))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(String(16))
+    blob_key: Mapped[str] = mapped_column(String(512))
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[int | None] = mapped_column(BigInteger)
+    deleted: Mapped[bool] = mapped_column(Boolean, default=False)
+
+    __table_args__ = (Index("ix_files_tenant_seq", "tenant_id", "seq"),)
+
+
+class Batch(Base):
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seq: Mapped[int] = mapped_column(BigIntPK, autoincrement=True, unique=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str | None] = mapped_column(String(200))
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType)
+    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSONType)
+
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    in_progress_at: Mapped[int | None] = mapped_column(BigInteger)
+    expires_at: Mapped[int] = mapped_column(BigInteger)
+    finalizing_at: Mapped[int | None] = mapped_column(BigInteger)
+    completed_at: Mapped[int | None] = mapped_column(BigInteger)
+    failed_at: Mapped[int | None] = mapped_column(BigInteger)
+    expired_at: Mapped[int | None] = mapped_column(BigInteger)
+    cancelling_at: Mapped[int | None] = mapped_column(BigInteger)
+    cancelled_at: Mapped[int | None] = mapped_column(BigInteger)
+
+    # request_counts and usage, kept current while the batch runs and recomputed at the end.
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    input_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+    __table_args__ = (Index("ix_batches_tenant_seq", "tenant_id", "seq"),)
+
+
+class RequestLine(Base):
+    """One request line of a batch's input file, its progress and its result.
+
+    ``line_json`` is the line as uploaded (the worker parses it); ``result`` is the finished
+    output or error line, ready to be written to the output or error file as it is.
+    """
+
+    __tablename__ = "requests"
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
+    #: 1-based line number in the input file, counting blank lines.
+    line: Mapped[int] = mapped_column(Integer)
+    custom_id: Mapped[str] = mapped_column(Text)
+    model: Mapped[str] = mapped_column(String(200))
+    #: The batch's ``expires_at``, copied so the claim query orders by deadline without a join.
+    deadline: Mapped[int] = mapped_column(BigInteger)
+    line_json: Mapped[str] = mapped_column(Text)
+    #: pending → running → succeeded | failed; or cancelled / expired when it never ran.
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    result: Mapped[str | None] = mapped_column(Text)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(128))
+    lease_expires_at: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float)
+
+    __table_args__ = (
+        UniqueConstraint("batch_id", "line", name="uq_requests_batch_line"),
+        Index("ix_requests_batch_status", "batch_id", "status"),
+        Index("ix_requests_claim", "model", "status", "deadline", "id"),
+    )
+
+
+class WorkerRecord(Base):
+    """A worker process: the models it serves and its last heartbeat."""
+
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    hostname: Mapped[str] = mapped_column(String(256))
+    models: Mapped[list[str]] = mapped_column(JSONType)
+    started_at: Mapped[float] = mapped_column(Float)
+    heartbeat_at: Mapped[float] = mapped_column(Float)
+    ready: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -1,0 +1,1 @@
+"""Execution: the Celery app and tasks, the batch runner, and the engine adapter."""

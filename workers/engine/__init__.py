@@ -1,0 +1,1 @@
+"""Engine adapters: one interface (``base.Engine``), the real vLLM engine and an instant engine."""

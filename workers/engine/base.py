@@ -1,0 +1,111 @@
+"""The interface between Offpeak's runner and an inference engine.
+
+The runner owns scheduling (what to admit, when to abort); an engine only tokenizes, accepts
+requests and advances one step of continuous batching at a time. Token ids in, token ids and text
+out; the OpenAI wire format is built elsewhere (``offpeak.wire``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling for one request, already checked against OpenAI's ranges.
+
+    ``logprobs``: ``None`` for none; ``k >= 0`` for the sampled token's log-probability plus the
+    ``k`` most likely alternatives at each position.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    #: Lower runs first (vLLM's priority scheduling convention).
+    priority: int = 0
+
+
+@dataclass
+class TopLogprob:
+    token: str
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    #: ``stop`` (end of sequence or a stop string) or ``length`` (``max_tokens`` reached).
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class EngineResult:
+    """A finished request: prompt token counts and one completion per ``n``."""
+
+    request_id: str
+    prompt_tokens: int
+    #: Prompt tokens served from the prefix cache instead of prefilled again.
+    cached_tokens: int
+    completions: list[Completion]
+
+
+class Engine(Protocol):
+    """One loaded model. Not thread-safe: one runner drives it."""
+
+    model_name: str
+    #: Context window in tokens (prompt + completion).
+    max_model_len: int
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of ``messages`` rendered with the model's chat template, with the
+        assistant's generation prompt appended. Raises ``ValueError`` for messages the template
+        cannot render."""
+        ...
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of a plain completion prompt (with the tokenizer's BOS if it adds one)."""
+        ...
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request; it joins the running batch at the next step it fits in."""
+        ...
+
+    def step(self) -> list[EngineResult]:
+        """Run one engine step (prefill and/or one decode token for every running sequence);
+        return the requests that finished in it."""
+        ...
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop requests, queued or running; they return no result."""
+        ...
+
+    def num_unfinished(self) -> int:
+        """Requests added and neither finished nor aborted."""
+        ...
+
+    def close(self) -> None:
+        """Free the engine's memory and processes."""
+        ...
