@@ -1,11 +1,220 @@
-"""The ``offpeak`` command line."""
+"""The ``offpeak`` command line: run the service (``serve``, ``worker``, ``migrate``), manage keys,
+and use it as a client (``submit``, ``status``, ``download``, ``demo``)."""
 
 from __future__ import annotations
 
+import os
+import socket
+from pathlib import Path
+from typing import Annotated
+
 import typer
+from rich.console import Console
 
 from offpeak.cli_plan import plan_app, simulate_app
+from offpeak.settings import get_settings
 
 app = typer.Typer(help="Offpeak: the OpenAI Batch API on idle GPU time.", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
 app.add_typer(plan_app, name="plan")
 app.add_typer(simulate_app, name="simulate")
+console = Console()
+
+
+@app.command()
+def migrate() -> None:
+    """Create or upgrade the database schema (Alembic ``upgrade head``)."""
+    import migrations
+
+    settings = get_settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    migrations.upgrade(settings.resolved_database_url)
+    console.print(f"database at revision head: {settings.resolved_database_url}")
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Interface to bind.")] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port.")] = None,
+    workers: Annotated[int, typer.Option(help="Uvicorn worker processes.")] = 1,
+) -> None:
+    """Run the HTTP API (expects ``offpeak migrate`` to have run)."""
+    import uvicorn
+
+    settings = get_settings()
+    uvicorn.run(
+        "api.app:create_app",
+        factory=True,
+        host=host or settings.api_host,
+        port=port or settings.api_port,
+        workers=workers,
+        log_level="info",
+    )
+
+
+@app.command()
+def worker(
+    role: Annotated[
+        str, typer.Option(help="control (validate, finalize, sweep) or engine.")
+    ] = "engine",
+    models: Annotated[str | None, typer.Option(help="Comma-separated models to serve.")] = None,
+    concurrency: Annotated[int, typer.Option(help="Threads of a control worker.")] = 4,
+    loglevel: Annotated[str, typer.Option()] = "INFO",
+) -> None:
+    """Run a Celery worker. ``engine`` loads each served model's engine once, then runs batch
+    work from those models' queues in one process (``solo`` pool: an engine cannot live in a
+    daemonic prefork child). ``control`` runs validation, finalization and the periodic sweep."""
+    import logging
+
+    if models:
+        os.environ["OFFPEAK_WORKER_MODELS"] = models
+        get_settings.cache_clear()
+    settings = get_settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=loglevel, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from offpeak import queues
+    from workers.celery_app import app as celery_app
+
+    node = f"{role}-{os.getpid()}@{socket.gethostname()}"
+    if role == "control":
+        argv = [
+            "worker",
+            "-Q",
+            queues.control_queue(settings),
+            "-P",
+            "threads",
+            "-c",
+            str(concurrency),
+            "-B",
+            "-n",
+            node,
+            "--loglevel",
+            loglevel,
+        ]
+    elif role == "engine":
+        from celery.signals import worker_ready
+
+        from workers.engine import registry
+
+        unknown = [m for m in settings.served_models if m not in settings.models]
+        if unknown:
+            raise typer.BadParameter(f"not configured: {', '.join(unknown)}", param_hint="--models")
+        for name in settings.served_models:
+            registry.load(settings, name)
+        from storage.db import session_scope
+        from storage.repositories import workers as workers_repo
+        from workers.runner import worker_id
+
+        with session_scope(settings.resolved_database_url) as session:
+            workers_repo.register(
+                session, worker_id(), socket.gethostname(), settings.served_models
+            )
+
+        @worker_ready.connect(weak=False)
+        def _resume(**_kwargs: object) -> None:
+            # Pick up lines left by a crash or a restart without waiting for the sweep.
+            for name in settings.served_models:
+                queues.send_drain(settings, name)
+
+        argv = [
+            "worker",
+            "-Q",
+            ",".join(queues.model_queue(settings, m) for m in settings.served_models),
+            "-P",
+            "solo",
+            "-n",
+            node,
+            "--loglevel",
+            loglevel,
+        ]
+    else:
+        raise typer.BadParameter("role must be 'control' or 'engine'", param_hint="--role")
+    celery_app.worker_main(argv)
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="Tenant name (created if new).")],
+    name: Annotated[str | None, typer.Option(help="A label for the key.")] = None,
+) -> None:
+    """Make an API key for a tenant and print it (shown once; only its hash is stored)."""
+    from api.services import keys
+    from storage.db import session_scope
+
+    with session_scope(get_settings().resolved_database_url) as session:
+        key = keys.create_key(session, tenant, name)
+    typer.echo(key)
+
+
+def _client():  # type: ignore[no-untyped-def]
+    from openai import OpenAI
+
+    settings = get_settings()
+    base_url = (
+        os.environ.get("OPENAI_BASE_URL") or f"http://{settings.api_host}:{settings.api_port}/v1"
+    )
+    api_key = os.environ.get("OPENAI_API_KEY") or settings.local_api_key
+    if not api_key:
+        raise typer.BadParameter("set OPENAI_API_KEY (see `offpeak keys create`)")
+    return OpenAI(base_url=base_url, api_key=api_key)
+
+
+@app.command()
+def submit(
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="A JSONL batch file.")],
+    endpoint: Annotated[str | None, typer.Option(help="Default: the first line's url.")] = None,
+    window: Annotated[str, typer.Option("--completion-window")] = "24h",
+    wait: Annotated[
+        bool, typer.Option("--wait", help="Show progress until the batch ends.")
+    ] = False,
+) -> None:
+    """Upload FILE and create a batch (through the OpenAI SDK, as a user's code would)."""
+    from offpeak import client_tools
+
+    batch = client_tools.submit(_client(), file, endpoint, window)
+    console.print(f"batch [bold]{batch.id}[/bold] created ({batch.status})")
+    if wait:
+        batch = client_tools.wait_with_progress(_client(), batch.id, console)
+        client_tools.print_summary(batch, console)
+
+
+@app.command()
+def status(batch_id: str) -> None:
+    """Show a batch's status, request counts and usage."""
+    from offpeak import client_tools
+
+    client_tools.print_summary(_client().batches.retrieve(batch_id), console)
+
+
+@app.command()
+def download(
+    batch_id: str,
+    output: Annotated[
+        Path, typer.Option("-o", "--output", help="Where to write the output file.")
+    ] = Path("output.jsonl"),
+) -> None:
+    """Download a finished batch's output file (and its error file next to it, if any)."""
+    from offpeak import client_tools
+
+    for path in client_tools.download(_client(), batch_id, output):
+        console.print(f"wrote {path}")
+
+
+@app.command()
+def demo(
+    port: Annotated[int, typer.Option(help="Port for the demo API.")] = 8765,
+) -> None:
+    """Start the API and workers, run examples/quickstart.jsonl on the real default model through
+    the OpenAI SDK, show progress and answers, and leave the output file on disk."""
+    from offpeak.demo import run_demo
+
+    raise typer.Exit(run_demo(port, console))
+
+
+try:  # issue 5's commands, when present
+    from offpeak.cli_plan import calibrate_command
+
+    app.command("calibrate")(calibrate_command)
+except ImportError:  # pragma: no cover
+    pass

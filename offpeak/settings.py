@@ -116,6 +116,8 @@ class Settings(BaseSettings):
     lease_seconds: int = 120
     #: Seconds between writes of finished results (and lease heartbeats) during a chunk.
     flush_seconds: float = 1.0
+    #: Seconds between sweeps (expiry, lost messages) run by the control worker.
+    sweep_seconds: float = 10.0
     #: Comma-separated served model names this worker runs; empty means every configured model.
     worker_models: str = ""
 

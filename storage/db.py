@@ -6,7 +6,7 @@ commits on success and rolls back on error; services and repositories only ``flu
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
@@ -54,3 +54,22 @@ def session_scope(url: str) -> Iterator[Session]:
 
 def is_postgres(session: Session) -> bool:
     return session.get_bind().dialect.name == "postgresql"
+
+
+def after_commit(session: Session, callback: Callable[[], None]) -> None:
+    """Run ``callback`` once this session's transaction commits; drop it if it rolls back.
+
+    Used to send a task only when the rows it reads are visible to the worker.
+    """
+    session.info.setdefault("after_commit", []).append(callback)
+
+
+@event.listens_for(Session, "after_commit")
+def _run_after_commit(session: Session) -> None:
+    for callback in session.info.pop("after_commit", []):
+        callback()
+
+
+@event.listens_for(Session, "after_rollback")
+def _drop_after_commit(session: Session) -> None:
+    session.info.pop("after_commit", None)

@@ -71,8 +71,6 @@ class File(Base):
     __tablename__ = "files"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    #: Insertion order, for stable pagination (ids are random).
-    seq: Mapped[int] = mapped_column(BigIntPK, autoincrement=True, unique=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     filename: Mapped[str] = mapped_column(String(512))
     purpose: Mapped[str] = mapped_column(String(32))
@@ -83,14 +81,14 @@ class File(Base):
     expires_at: Mapped[int | None] = mapped_column(BigInteger)
     deleted: Mapped[bool] = mapped_column(Boolean, default=False)
 
-    __table_args__ = (Index("ix_files_tenant_seq", "tenant_id", "seq"),)
+    # Ids start with their creation time, so id order is creation order (see offpeak.ids).
+    __table_args__ = (Index("ix_files_tenant_id", "tenant_id", "id"),)
 
 
 class Batch(Base):
     __tablename__ = "batches"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    seq: Mapped[int] = mapped_column(BigIntPK, autoincrement=True, unique=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     endpoint: Mapped[str] = mapped_column(String(64))
     model: Mapped[str | None] = mapped_column(String(200))
@@ -120,7 +118,7 @@ class Batch(Base):
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
 
-    __table_args__ = (Index("ix_batches_tenant_seq", "tenant_id", "seq"),)
+    __table_args__ = (Index("ix_batches_tenant_id", "tenant_id", "id"),)
 
 
 class RequestLine(Base):

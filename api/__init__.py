@@ -1,0 +1,1 @@
+"""The HTTP intake: a thin FastAPI layer over services. Never imports vLLM or torch."""

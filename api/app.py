@@ -1,0 +1,35 @@
+"""The FastAPI application."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from api.errors import install_error_handlers
+from api.routes import batches, files, models
+from api.services import keys
+from offpeak import __version__
+from offpeak.settings import Settings, get_settings
+from storage.db import session_scope
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The intake app. Expects a migrated database (``offpeak migrate``)."""
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if settings.local_api_key:
+            with session_scope(settings.resolved_database_url) as session:
+                keys.ensure_key(session, "local", settings.local_api_key)
+        yield
+
+    app = FastAPI(title="Offpeak", version=__version__, lifespan=lifespan)
+    app.state.settings = settings
+    install_error_handlers(app)
+    app.include_router(files.router)
+    app.include_router(batches.router)
+    app.include_router(models.router)
+    return app

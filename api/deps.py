@@ -1,0 +1,58 @@
+"""Dependencies: settings, the session (commits on success, rolls back on error), the blob
+store and the calling tenant."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+from sqlalchemy.orm import Session
+
+from api.errors import Unauthorized
+from api.services import keys
+from offpeak.settings import Settings
+from storage.blobs import BlobStore, get_blob_store
+from storage.db import session_scope
+from storage.models import Tenant
+
+
+def get_app_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+SettingsDep = Annotated[Settings, Depends(get_app_settings)]
+
+
+def get_session(settings: SettingsDep) -> Iterator[Session]:
+    with session_scope(settings.resolved_database_url) as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def get_blobs(settings: SettingsDep) -> BlobStore:
+    return get_blob_store(settings.resolved_blob_url)
+
+
+BlobsDep = Annotated[BlobStore, Depends(get_blobs)]
+
+
+def get_tenant(
+    session: SessionDep, authorization: Annotated[str | None, Header()] = None
+) -> Tenant:
+    """The tenant whose key is in ``Authorization: Bearer <key>``; 401 otherwise."""
+    if not authorization or not authorization.lower().startswith("bearer "):
+        raise Unauthorized(
+            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'; "
+            "`offpeak keys create` makes one."
+        )
+    tenant = keys.tenant_for_key(session, authorization[7:].strip())
+    if tenant is None:
+        raise Unauthorized("Incorrect API key provided.")
+    return tenant
+
+
+CurrentTenant = Annotated[Tenant, Depends(get_tenant)]

@@ -1,0 +1,95 @@
+"""One error hierarchy; each class carries its HTTP status and renders in OpenAI's error shape.
+
+Every client mistake maps to a 4xx here; a 500 is only ever our bug.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from offpeak.wire import error_object
+
+
+class ApiError(Exception):
+    status_code = 400
+    type = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict[str, object]:
+        return error_object(self.message, self.type, self.param, self.code)
+
+
+class BadRequest(ApiError):
+    status_code = 400
+
+
+class Unauthorized(ApiError):
+    status_code = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class NotFound(ApiError):
+    status_code = 404
+    code = "not_found"
+
+
+class Conflict(ApiError):
+    status_code = 409
+    code = "invalid_state"
+
+
+class PayloadTooLarge(ApiError):
+    status_code = 413
+    code = "file_too_large"
+
+
+def _param_from_loc(loc: tuple[object, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header", "form")]
+    return ".".join(parts) or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Render ``ApiError``, request validation and routing errors in OpenAI's shape."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = tuple(first.get("loc", ()))
+        # A body that is not JSON at all is malformed (422); a missing or wrong value is a
+        # bad value (400), as OpenAI answers.
+        if first.get("type") == "json_invalid":
+            body = error_object(
+                "The request body is not valid JSON.", param=None, code="invalid_json"
+            )
+            return JSONResponse(body, status_code=422)
+        param = _param_from_loc(loc)
+        kind = first.get("type", "")
+        if kind == "missing":
+            message = f"Missing required parameter: '{param}'."
+            code = "missing_required_parameter"
+        else:
+            message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}."
+            code = "invalid_value"
+        return JSONResponse(error_object(message, param=param, code=code), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        body = error_object(str(exc.detail), param=None, code=code)
+        return JSONResponse(body, status_code=exc.status_code)

@@ -1,0 +1,1 @@
+"""HTTP routes: parse, call a service, shape the answer. No logic, no SQL."""

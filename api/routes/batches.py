@@ -1,0 +1,44 @@
+"""``/v1/batches``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api.deps import CurrentTenant, SessionDep, SettingsDep
+from api.schemas import BatchList, BatchObject, CreateBatch
+from api.services import batches as batches_service
+
+router = APIRouter(prefix="/v1/batches", tags=["batches"])
+
+
+@router.post("", response_model=BatchObject)
+def create_batch(
+    body: CreateBatch, session: SessionDep, settings: SettingsDep, tenant: CurrentTenant
+) -> BatchObject:
+    return BatchObject.of(batches_service.create(session, settings, tenant.id, body))
+
+
+@router.get("", response_model=BatchList)
+def list_batches(
+    session: SessionDep, tenant: CurrentTenant, after: str | None = None, limit: int = 20
+) -> BatchList:
+    rows, has_more = batches_service.page(session, tenant.id, after=after, limit=limit)
+    data = [BatchObject.of(b) for b in rows]
+    return BatchList(
+        data=data,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=has_more,
+    )
+
+
+@router.get("/{batch_id}", response_model=BatchObject)
+def retrieve_batch(session: SessionDep, tenant: CurrentTenant, batch_id: str) -> BatchObject:
+    return BatchObject.of(batches_service.get(session, tenant.id, batch_id))
+
+
+@router.post("/{batch_id}/cancel", response_model=BatchObject)
+def cancel_batch(
+    session: SessionDep, settings: SettingsDep, tenant: CurrentTenant, batch_id: str
+) -> BatchObject:
+    return BatchObject.of(batches_service.cancel(session, settings, tenant.id, batch_id))

@@ -1,0 +1,94 @@
+"""``/v1/files``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Form, Query, Request, UploadFile
+from fastapi.responses import StreamingResponse
+
+from api.deps import BlobsDep, CurrentTenant, SessionDep, SettingsDep
+from api.errors import BadRequest, PayloadTooLarge
+from api.schemas import FileDeleted, FileList, FileObject
+from api.services import files as files_service
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+
+#: Multipart framing around the file part; a Content-Length beyond limit + this is refused early.
+_MULTIPART_SLACK = 64 * 1024
+
+
+@router.post("", response_model=FileObject)
+def upload_file(
+    request: Request,
+    session: SessionDep,
+    blobs: BlobsDep,
+    settings: SettingsDep,
+    tenant: CurrentTenant,
+    file: UploadFile,
+    purpose: Annotated[str, Form()],
+    expires_after_anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
+    expires_after_seconds: Annotated[int | None, Form(alias="expires_after[seconds]")] = None,
+) -> FileObject:
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > settings.max_file_bytes + _MULTIPART_SLACK:
+        raise PayloadTooLarge(
+            f"The file is larger than the limit of {settings.max_file_bytes} bytes.", param="file"
+        )
+    if expires_after_anchor not in (None, "created_at"):
+        raise BadRequest(
+            "expires_after[anchor] must be 'created_at'.", param="expires_after.anchor"
+        )
+    stored = files_service.upload(
+        session,
+        blobs,
+        settings,
+        tenant_id=tenant.id,
+        stream=file.file,
+        filename=file.filename or "upload.jsonl",
+        purpose=purpose,
+        expires_after_seconds=expires_after_seconds,
+    )
+    return FileObject.of(stored)
+
+
+@router.get("", response_model=FileList)
+def list_files(
+    session: SessionDep,
+    tenant: CurrentTenant,
+    purpose: str | None = None,
+    limit: Annotated[int, Query()] = 10_000,
+    order: str = "desc",
+    after: str | None = None,
+) -> FileList:
+    rows, has_more = files_service.page(
+        session, tenant.id, purpose=purpose, after=after, limit=limit, order=order
+    )
+    data = [FileObject.of(f) for f in rows]
+    return FileList(
+        data=data,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=has_more,
+    )
+
+
+@router.get("/{file_id}", response_model=FileObject)
+def retrieve_file(session: SessionDep, tenant: CurrentTenant, file_id: str) -> FileObject:
+    return FileObject.of(files_service.get(session, tenant.id, file_id))
+
+
+@router.get("/{file_id}/content")
+def file_content(
+    session: SessionDep, blobs: BlobsDep, tenant: CurrentTenant, file_id: str
+) -> StreamingResponse:
+    chunks = files_service.content(session, blobs, tenant.id, file_id)
+    return StreamingResponse(chunks, media_type="application/octet-stream")
+
+
+@router.delete("/{file_id}", response_model=FileDeleted)
+def delete_file(
+    session: SessionDep, blobs: BlobsDep, tenant: CurrentTenant, file_id: str
+) -> FileDeleted:
+    files_service.delete(session, blobs, tenant.id, file_id)
+    return FileDeleted(id=file_id)

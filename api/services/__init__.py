@@ -1,0 +1,1 @@
+"""The intake's logic: files, batches and keys. Services only flush; callers commit."""

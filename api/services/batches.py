@@ -1,0 +1,136 @@
+"""Batches: create, read, list and cancel. Validation and running happen in workers; this
+module only records intent and sends the task once the transaction has committed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from api.errors import BadRequest, Conflict, NotFound
+from api.schemas import CreateBatch
+from offpeak import queues, wire
+from offpeak.ids import new_id, now
+from offpeak.settings import Settings, window_seconds
+from storage.db import after_commit
+from storage.models import Batch
+from storage.repositories import batches as batches_repo
+from storage.repositories import files as files_repo
+
+# OpenAI's metadata limits (API reference, "metadata"): 16 pairs, keys ≤ 64, values ≤ 512 chars.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+CANCELLABLE = ("validating", "in_progress")
+
+
+def _check_metadata(metadata: dict[str, Any] | None) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise BadRequest(f"metadata may hold at most {MAX_METADATA_PAIRS} pairs.", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise BadRequest(
+                f"metadata keys may be at most {MAX_METADATA_KEY} characters.", param="metadata"
+            )
+        if not isinstance(value, str):
+            raise BadRequest(f"metadata value for {key!r} must be a string.", param="metadata")
+        if len(value) > MAX_METADATA_VALUE:
+            raise BadRequest(
+                f"metadata values may be at most {MAX_METADATA_VALUE} characters.", param="metadata"
+            )
+    return dict(metadata)
+
+
+def create(session: Session, settings: Settings, tenant_id: str, request: CreateBatch) -> Batch:
+    """Record a batch in ``validating`` and queue its validation.
+
+    Raises ``NotFound`` (input file), ``BadRequest`` (endpoint, window, metadata, purpose).
+    """
+    if request.endpoint in wire.UNSUPPORTED_BATCH_ENDPOINTS:
+        raise BadRequest(
+            f"The endpoint {request.endpoint} is not served by this server; "
+            f"use one of {', '.join(wire.BATCH_ENDPOINTS)}.",
+            param="endpoint",
+            code="unsupported_endpoint",
+        )
+    if request.endpoint not in wire.BATCH_ENDPOINTS:
+        raise BadRequest(
+            f"Invalid endpoint {request.endpoint!r}: use one of {', '.join(wire.BATCH_ENDPOINTS)}.",
+            param="endpoint",
+        )
+    if request.completion_window not in settings.allowed_completion_windows:
+        raise BadRequest(
+            f"Invalid completion_window {request.completion_window!r}: allowed values are "
+            f"{', '.join(settings.allowed_completion_windows)}.",
+            param="completion_window",
+        )
+    metadata = _check_metadata(request.metadata)
+    file = files_repo.get(session, tenant_id, request.input_file_id)
+    if file is None:
+        raise NotFound(f"No such File object: {request.input_file_id}", param="input_file_id")
+    if file.purpose != "batch":
+        raise BadRequest(
+            f"File {file.id} has purpose {file.purpose!r}; a batch needs a file "
+            "uploaded with purpose 'batch'.",
+            param="input_file_id",
+        )
+    created = now()
+    batch = batches_repo.add(
+        session,
+        Batch(
+            id=new_id("batch_"),
+            tenant_id=tenant_id,
+            endpoint=request.endpoint,
+            input_file_id=file.id,
+            completion_window=request.completion_window,
+            status="validating",
+            metadata_=metadata,
+            created_at=created,
+            expires_at=created + window_seconds(request.completion_window),
+            total=0,
+            completed=0,
+            failed=0,
+            input_tokens=0,
+            cached_tokens=0,
+            output_tokens=0,
+        ),
+    )
+    after_commit(session, lambda: queues.send_validate(settings, batch.id))
+    return batch
+
+
+def get(session: Session, tenant_id: str, batch_id: str) -> Batch:
+    """Raises ``NotFound`` for an unknown or another tenant's batch."""
+    batch = batches_repo.get(session, tenant_id, batch_id)
+    if batch is None:
+        raise NotFound(f"No such Batch object: {batch_id}", param="batch_id")
+    return batch
+
+
+def page(
+    session: Session, tenant_id: str, *, after: str | None, limit: int
+) -> tuple[list[Batch], bool]:
+    if not 1 <= limit <= 100:
+        raise BadRequest("limit must be between 1 and 100.", param="limit")
+    rows = list(batches_repo.page(session, tenant_id, after=after, limit=limit))
+    return rows[:limit], len(rows) > limit
+
+
+def cancel(session: Session, settings: Settings, tenant_id: str, batch_id: str) -> Batch:
+    """Move a running batch to ``cancelling``; a control worker ends it as ``cancelled``.
+
+    Idempotent for a batch already cancelling or cancelled. Raises ``Conflict`` (409) for a
+    batch that has finished or is finalizing, ``NotFound`` for an unknown id.
+    """
+    get(session, tenant_id, batch_id)
+    batch = batches_repo.get_for_update(session, batch_id)
+    assert batch is not None
+    if batch.status in ("cancelling", "cancelled"):
+        return batch
+    if batch.status not in CANCELLABLE:
+        raise Conflict(f"Cannot cancel a batch with status {batch.status!r}.", param="batch_id")
+    batch.status = "cancelling"
+    batch.cancelling_at = now()
+    session.flush()
+    after_commit(session, lambda: queues.send_finalize(settings, batch.id))
+    return batch

@@ -1,0 +1,163 @@
+"""Files: streaming upload with UTF-8 and size checks, listing, content and deletion."""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterator
+from typing import IO
+
+from sqlalchemy.orm import Session
+
+from api.errors import BadRequest, NotFound, PayloadTooLarge
+from offpeak.ids import new_id, now
+from offpeak.settings import Settings
+from storage.blobs import CHUNK_BYTES, BlobStore
+from storage.models import File
+from storage.repositories import files as files_repo
+
+#: Purposes a client may upload with. Output and error files get ``batch_output``.
+UPLOAD_PURPOSES = ("batch",)
+DAY_SECONDS = 86_400
+#: OpenAI's bounds on ``expires_after[seconds]``: one hour to thirty days.
+MIN_EXPIRY_SECONDS, MAX_EXPIRY_SECONDS = 3600, 30 * DAY_SECONDS
+
+
+def _utf8_error_message(first_bytes: bytes, offset: int) -> str:
+    hint = ""
+    if first_bytes.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        hint = " It looks like UTF-16 (it starts with a UTF-16 byte-order mark)."
+    elif b"\x00" in first_bytes[:64]:
+        hint = " It contains NUL bytes, as UTF-16 or UTF-32 text does."
+    return (
+        f"The file is not valid UTF-8 (first bad byte at offset {offset}).{hint} "
+        "Batch input files must be UTF-8 encoded JSONL; re-save the file as UTF-8."
+    )
+
+
+def upload(
+    session: Session,
+    blobs: BlobStore,
+    settings: Settings,
+    *,
+    tenant_id: str,
+    stream: IO[bytes],
+    filename: str,
+    purpose: str,
+    expires_after_seconds: int | None,
+) -> File:
+    """Store an uploaded file, reading ``stream`` in 1 MiB pieces (never whole).
+
+    Raises ``BadRequest`` (purpose, expiry, non-UTF-8 bytes) or ``PayloadTooLarge`` (over
+    ``settings.max_file_bytes``). Nothing is stored when it raises.
+    """
+    if purpose not in UPLOAD_PURPOSES:
+        raise BadRequest(
+            f"Invalid purpose {purpose!r}: this server accepts {', '.join(UPLOAD_PURPOSES)}.",
+            param="purpose",
+        )
+    expires_in = settings.file_expiry_days * DAY_SECONDS
+    if expires_after_seconds is not None:
+        if not MIN_EXPIRY_SECONDS <= expires_after_seconds <= MAX_EXPIRY_SECONDS:
+            raise BadRequest(
+                "expires_after[seconds] must be between 3600 (1 hour) and 2592000 (30 days).",
+                param="expires_after.seconds",
+            )
+        expires_in = expires_after_seconds
+    file_id = new_id("file-")
+    key = f"files/{file_id}"
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    size = 0
+    head = b""
+    with blobs.writer(key) as out:
+        while chunk := stream.read(CHUNK_BYTES):
+            if not head:
+                head = chunk[:64]
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as exc:
+                raise BadRequest(
+                    _utf8_error_message(head, size + exc.start),
+                    param="file",
+                    code="invalid_file_encoding",
+                ) from None
+            size += len(chunk)
+            if size > settings.max_file_bytes:
+                raise PayloadTooLarge(
+                    f"The file is larger than the limit of {settings.max_file_bytes} bytes.",
+                    param="file",
+                )
+            out.write(chunk)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise BadRequest(
+                _utf8_error_message(head, size), param="file", code="invalid_file_encoding"
+            ) from None
+    created = now()
+    file = File(
+        id=file_id,
+        tenant_id=tenant_id,
+        filename=filename,
+        purpose=purpose,
+        bytes=size,
+        status="processed",
+        blob_key=key,
+        created_at=created,
+        expires_at=created + expires_in,
+        deleted=False,
+    )
+    try:
+        return files_repo.add(session, file)
+    except BaseException:
+        blobs.delete(key)
+        raise
+
+
+def get(session: Session, tenant_id: str, file_id: str) -> File:
+    """Raises ``NotFound`` for an unknown, deleted or another tenant's file."""
+    file = files_repo.get(session, tenant_id, file_id)
+    if file is None:
+        raise NotFound(f"No such File object: {file_id}", param="file_id")
+    return file
+
+
+def content(session: Session, blobs: BlobStore, tenant_id: str, file_id: str) -> Iterator[bytes]:
+    file = get(session, tenant_id, file_id)
+    if not blobs.exists(file.blob_key):
+        raise NotFound(f"The content of {file_id} is no longer stored.", param="file_id")
+    return blobs.iter_chunks(file.blob_key)
+
+
+def delete(session: Session, blobs: BlobStore, tenant_id: str, file_id: str) -> None:
+    """Delete the file's metadata (soft) and bytes; request rows already taken from it stay."""
+    file = get(session, tenant_id, file_id)
+    file.deleted = True
+    session.flush()
+    blobs.delete(file.blob_key)
+
+
+def page(
+    session: Session,
+    tenant_id: str,
+    *,
+    purpose: str | None,
+    after: str | None,
+    limit: int,
+    order: str,
+) -> tuple[list[File], bool]:
+    """A page of files and whether more follow. Raises ``BadRequest`` for a bad limit/order."""
+    if not 1 <= limit <= 10_000:
+        raise BadRequest("limit must be between 1 and 10000.", param="limit")
+    if order not in ("asc", "desc"):
+        raise BadRequest("order must be 'asc' or 'desc'.", param="order")
+    rows = list(
+        files_repo.page(
+            session,
+            tenant_id,
+            purpose=purpose,
+            after=after,
+            limit=limit,
+            descending=order == "desc",
+        )
+    )
+    return rows[:limit], len(rows) > limit

@@ -1,0 +1,24 @@
+"""Alembic migrations: the only way the schema comes to exist. See ``upgrade``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+
+HERE = Path(__file__).resolve().parent
+
+
+def alembic_config(database_url: str) -> Config:
+    """An Alembic config pointing at this folder and ``database_url``."""
+    config = Config()
+    config.set_main_option("script_location", str(HERE))
+    # ConfigParser interpolation: a literal % in a URL (an escaped password) must be doubled.
+    config.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
+    return config
+
+
+def upgrade(database_url: str, revision: str = "head") -> None:
+    """Bring the database at ``database_url`` to ``revision`` (idempotent)."""
+    command.upgrade(alembic_config(database_url), revision)

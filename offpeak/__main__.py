@@ -1,0 +1,3 @@
+from offpeak.cli import app
+
+app()

@@ -1,0 +1,48 @@
+"""File metadata (the bytes live in the blob store)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from storage.models import File
+
+
+def add(session: Session, file: File) -> File:
+    session.add(file)
+    session.flush()
+    return file
+
+
+def get(session: Session, tenant_id: str, file_id: str) -> File | None:
+    """A live file of this tenant; another tenant's or a deleted file is ``None``."""
+    return session.scalar(
+        select(File).where(File.id == file_id, File.tenant_id == tenant_id, File.deleted.is_(False))
+    )
+
+
+def get_any(session: Session, file_id: str) -> File | None:
+    """A file by id, whatever its tenant (workers only)."""
+    return session.get(File, file_id)
+
+
+def page(
+    session: Session,
+    tenant_id: str,
+    *,
+    purpose: str | None,
+    after: str | None,
+    limit: int,
+    descending: bool,
+) -> Sequence[File]:
+    """Up to ``limit + 1`` files after the cursor ``after`` (ids sort by creation time), so the
+    caller can tell whether there are more."""
+    query = select(File).where(File.tenant_id == tenant_id, File.deleted.is_(False))
+    if purpose:
+        query = query.where(File.purpose == purpose)
+    if after:
+        query = query.where(File.id < after if descending else File.id > after)
+    query = query.order_by(File.id.desc() if descending else File.id.asc()).limit(limit + 1)
+    return session.scalars(query).all()

@@ -1,0 +1,49 @@
+"""Tenants and their API keys."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from offpeak.ids import new_id, now
+from storage.models import ApiKey, Tenant
+
+
+def get_by_name(session: Session, name: str) -> Tenant | None:
+    return session.scalar(select(Tenant).where(Tenant.name == name))
+
+
+def create(session: Session, name: str) -> Tenant:
+    tenant = Tenant(id=new_id("tenant_"), name=name, created_at=now())
+    session.add(tenant)
+    session.flush()
+    return tenant
+
+
+def add_key(
+    session: Session, tenant_id: str, key_hash: str, prefix: str, name: str | None
+) -> ApiKey:
+    key = ApiKey(
+        id=new_id("key_"),
+        tenant_id=tenant_id,
+        key_hash=key_hash,
+        prefix=prefix,
+        name=name,
+        created_at=now(),
+    )
+    session.add(key)
+    session.flush()
+    return key
+
+
+def tenant_for_key_hash(session: Session, key_hash: str) -> Tenant | None:
+    """The tenant owning an unrevoked key with this SHA-256 hex digest."""
+    return session.scalar(
+        select(Tenant)
+        .join(ApiKey, ApiKey.tenant_id == Tenant.id)
+        .where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None))
+    )
+
+
+def key_exists(session: Session, key_hash: str) -> bool:
+    return session.scalar(select(ApiKey.id).where(ApiKey.key_hash == key_hash)) is not None

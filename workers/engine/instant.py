@@ -1,0 +1,62 @@
+"""An engine that answers at once with a fixed text, for benchmarks of the control plane and
+tests of everything but the model. Tokens are UTF-8 bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.engine.base import Completion, EngineRequest, EngineResult, TokenLogprob
+
+ANSWER = "OK"
+
+
+class InstantEngine:
+    """Implements ``workers.engine.base.Engine``; every request finishes in the next step."""
+
+    def __init__(self, model_name: str, max_model_len: int = 2048) -> None:
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self._queued: dict[str, EngineRequest] = {}
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        return list(text.encode())
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def add(self, request: EngineRequest) -> None:
+        self._queued[request.request_id] = request
+
+    def step(self) -> list[EngineResult]:
+        results = []
+        for request in self._queued.values():
+            ids = list(ANSWER.encode())[: request.sampling.max_tokens]
+            reason = "stop" if len(ids) == len(ANSWER.encode()) else "length"
+            text = bytes(ids).decode(errors="replace")
+            logprobs = (
+                [TokenLogprob(chr(t), 0.0) for t in ids]
+                if request.sampling.logprobs is not None
+                else None
+            )
+            completion = Completion(text, ids, reason, logprobs)
+            results.append(
+                EngineResult(
+                    request.request_id,
+                    len(request.prompt_token_ids),
+                    0,
+                    [completion] * request.sampling.n,
+                )
+            )
+        self._queued.clear()
+        return results
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._queued.pop(request_id, None)
+
+    def num_unfinished(self) -> int:
+        return len(self._queued)
+
+    def close(self) -> None:
+        self._queued.clear()

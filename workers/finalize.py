@@ -1,0 +1,137 @@
+"""Ending a batch: write its output and error files, settle ``request_counts`` and ``usage``,
+and set its final status. Idempotent: running it twice, or after a crash half-way, leaves one
+output file, one error file and the same counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from sqlalchemy.orm import Session
+
+from offpeak import wire
+from offpeak.ids import new_id, now
+from offpeak.settings import Settings
+from storage.blobs import BlobStore
+from storage.db import session_scope
+from storage.models import Batch, File
+from storage.repositories import batches as batches_repo
+from storage.repositories import files as files_repo
+from storage.repositories import requests as requests_repo
+
+log = logging.getLogger(__name__)
+
+_NEVER_RAN = {
+    "cancelled": (
+        wire.BATCH_CANCELLED,
+        "This request was not run because the batch was cancelled.",
+    ),
+    "expired": (
+        wire.BATCH_EXPIRED,
+        "This request could not be executed before the completion window expired.",
+    ),
+}
+
+
+@dataclass
+class Step:
+    """What a finalize call did: ``done`` (nothing left to do) or ``retry_in`` seconds."""
+
+    done: bool
+    retry_in: float | None = None
+
+
+def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
+    """Stream the batch's rows into its output and error files (fixed blob keys, so a re-run
+    overwrites rather than adds) and record them."""
+    out_key, err_key = f"outputs/{batch.id}/output.jsonl", f"outputs/{batch.id}/errors.jsonl"
+    out_bytes = err_bytes = 0
+    with blobs.writer(out_key) as out, blobs.writer(err_key) as err:
+        for custom_id, status, result in requests_repo.iter_finished(session, batch.id):
+            if status == "succeeded":
+                line = result.encode() if result else b""
+                out.write(line + b"\n")
+                out_bytes += len(line) + 1
+                continue
+            if status == "failed" and result:
+                line = result.encode()
+            elif status in _NEVER_RAN:
+                line = wire.never_ran_line(custom_id, *_NEVER_RAN[status])
+            else:
+                continue  # pending/running rows do not exist once a batch is ending
+            err.write(line + b"\n")
+            err_bytes += len(line) + 1
+    created = now()
+    for size, key, kind, attr in (
+        (out_bytes, out_key, "output", "output_file_id"),
+        (err_bytes, err_key, "error", "error_file_id"),
+    ):
+        if size == 0:
+            blobs.delete(key)
+            continue
+        file = files_repo.add(
+            session,
+            File(
+                id=new_id("file-"),
+                tenant_id=batch.tenant_id,
+                filename=f"{batch.id}_{kind}.jsonl",
+                purpose="batch_output",
+                bytes=size,
+                status="processed",
+                blob_key=key,
+                created_at=created,
+                expires_at=None,
+                deleted=False,
+            ),
+        )
+        setattr(batch, attr, file.id)
+
+
+def finalize(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
+    """Advance a batch towards its end, if it is ready; safe to call any number of times.
+
+    - ``in_progress`` with every line finished → ``finalizing`` → ``completed``.
+    - ``in_progress`` past ``expires_at`` → unrun lines become ``batch_expired`` → ``expired``.
+    - ``cancelling`` → unrun lines become ``batch_cancelled`` → ``cancelled``, once no worker
+      still holds a live lease on one of its lines (``retry_in`` says when to look again).
+    """
+    url = settings.resolved_database_url
+    with session_scope(url) as session:
+        batch = batches_repo.get_for_update(session, batch_id)
+        if batch is None or batch.status in batches_repo.FINAL_STATUSES:
+            return Step(done=True)
+        if batch.status == "validating":
+            return Step(done=False)
+        at = time.time()
+        if batch.status == "in_progress" and batch.expires_at <= at:
+            target = "expired"
+        elif batch.status == "cancelling":
+            target = "cancelled"
+        else:
+            target = "completed"
+        if target in _NEVER_RAN:
+            requests_repo.end_unfinished(session, batch_id, target, at)
+        unfinished = batches_repo.unfinished_by_status(session, batch_id)
+        if unfinished:
+            # Lines still pending or held by a live worker: that worker finishes or aborts them.
+            batches_repo.refresh_counts(session, [batch_id])
+            return Step(done=False, retry_in=1.0 if target != "completed" else None)
+        if target == "completed" and batch.status == "in_progress":
+            batch.status, batch.finalizing_at = "finalizing", now()
+    with session_scope(url) as session:
+        batch = batches_repo.get_for_update(session, batch_id)
+        if batch is None or batch.status in batches_repo.FINAL_STATUSES:
+            return Step(done=True)
+        batches_repo.refresh_counts(session, [batch_id])
+        session.refresh(batch)
+        _write_files(session, blobs, batch)
+        stamp = now()
+        final = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}
+        batch.status = target
+        setattr(batch, final[target], stamp)
+        log.info(
+            "batch %s %s: %d completed, %d failed", batch_id, target, batch.completed, batch.failed
+        )
+    return Step(done=True)

@@ -1,0 +1,249 @@
+"""Validation of a batch's input file, streamed line by line into request rows.
+
+The file is read in 1 MiB pieces and rows go to the database in chunks, so a 200 MB file is
+never held in memory. Rules and error codes follow ``shared/docs/batch-api.md``; line numbers are
+1-based and count every line of the file, blank ones included.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from sqlalchemy.orm import Session
+
+from offpeak import wire
+from offpeak.ids import now
+from offpeak.settings import Settings
+from storage.blobs import BlobStore
+from storage.db import session_scope
+from storage.models import Batch
+from storage.repositories import batches as batches_repo
+from storage.repositories import files as files_repo
+from storage.repositories import requests as requests_repo
+
+log = logging.getLogger(__name__)
+
+#: Rows sent to the database per COPY.
+INSERT_CHUNK = 5000
+_BOM = b"\xef\xbb\xbf"
+_REQUIRED_BODY_FIELD = {wire.CHAT_COMPLETIONS: "messages", wire.COMPLETIONS: "prompt"}
+
+
+@dataclass
+class Outcome:
+    """What validation found: the batch's model and request count, or the problems."""
+
+    model: str | None = None
+    total: int = 0
+    errors: list[dict[str, Any]] = field(default_factory=list)
+
+
+def iter_lines(chunks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
+    """``(line_number, line)`` for every line of a byte stream, 1-based, without the line end
+    (LF or CRLF) and without a leading UTF-8 byte-order mark. A last line needs no newline."""
+    number, rest, first = 0, b"", True
+    for chunk in chunks:
+        if first:
+            chunk, first = chunk.removeprefix(_BOM), False
+        rest += chunk
+        *lines, rest = rest.split(b"\n")
+        for line in lines:
+            number += 1
+            yield number, line.removesuffix(b"\r")
+    if rest:
+        yield number + 1, rest.removesuffix(b"\r")
+
+
+class _Checker:
+    def __init__(self, endpoint: str, served_models: set[str], settings: Settings) -> None:
+        self.endpoint = endpoint
+        self.served = served_models
+        self.settings = settings
+        self.model: str | None = None
+        self.custom_ids: set[str] = set()
+
+    def check(self, number: int, raw: bytes) -> tuple[dict[str, Any] | None, str]:
+        """The line's problem (a ``batch.errors.data`` entry) or ``None``, and its custom_id."""
+        try:
+            line = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            return wire.batch_error(
+                wire.INVALID_JSON_LINE, f"Line {number} is not valid JSON: {exc}.", number
+            ), ""
+        if not isinstance(line, dict):
+            return wire.batch_error(
+                wire.INVALID_JSON_LINE, f"Line {number} must be a JSON object.", number
+            ), ""
+        missing = self._missing(line, number)
+        if missing:
+            return missing, ""
+        custom_id = line["custom_id"]
+        if not isinstance(custom_id, str) or not custom_id:
+            return wire.batch_error(
+                wire.INVALID_REQUEST, "custom_id must be a non-empty string.", number, "custom_id"
+            ), ""
+        if custom_id in self.custom_ids:
+            return wire.batch_error(
+                wire.DUPLICATE_CUSTOM_ID,
+                f"custom_id {custom_id!r} appears more than once in the file; "
+                "each request line needs its own.",
+                number,
+                "custom_id",
+            ), ""
+        self.custom_ids.add(custom_id)
+        if line["method"] != "POST":
+            return wire.batch_error(
+                wire.INVALID_REQUEST, "method must be 'POST'.", number, "method"
+            ), custom_id
+        if line["url"] != self.endpoint:
+            return wire.batch_error(
+                wire.INVALID_URL,
+                f"The url {line['url']!r} does not match the batch's endpoint {self.endpoint!r}.",
+                number,
+                "url",
+            ), custom_id
+        return self._check_body(line["body"], number), custom_id
+
+    @staticmethod
+    def _missing(line: dict[str, Any], number: int) -> dict[str, Any] | None:
+        for name in ("custom_id", "method", "url", "body"):
+            if line.get(name) is None:
+                return wire.batch_error(
+                    wire.MISSING_REQUIRED_PARAMETER,
+                    f"Line {number} is missing '{name}'.",
+                    number,
+                    name,
+                )
+        return None
+
+    def _check_body(self, body: Any, number: int) -> dict[str, Any] | None:
+        if not isinstance(body, dict):
+            return wire.batch_error(
+                wire.INVALID_REQUEST, "body must be a JSON object.", number, "body"
+            )
+        if body.get("stream"):
+            return wire.batch_error(
+                wire.STREAMING_UNSUPPORTED,
+                "Streaming is not supported in a batch.",
+                number,
+                "body.stream",
+            )
+        model = body.get("model")
+        if model is None:
+            return wire.batch_error(
+                wire.MISSING_REQUIRED_PARAMETER, "body.model is required.", number, "body.model"
+            )
+        if not isinstance(model, str) or model not in self.served:
+            return wire.batch_error(
+                wire.MODEL_NOT_FOUND,
+                f"The model {model!r} is not served here; served models: "
+                f"{', '.join(sorted(self.served))}.",
+                number,
+                "body.model",
+            )
+        if self.model is None:
+            self.model = model
+        elif model != self.model:
+            return wire.batch_error(
+                wire.MISMATCHED_MODEL,
+                f"A batch runs one model: this line asks for {model!r}, earlier "
+                f"lines for {self.model!r}.",
+                number,
+                "body.model",
+            )
+        needed = _REQUIRED_BODY_FIELD[self.endpoint]
+        if body.get(needed) is None:
+            return wire.batch_error(
+                wire.MISSING_REQUIRED_PARAMETER,
+                f"body.{needed} is required for {self.endpoint}.",
+                number,
+                f"body.{needed}",
+            )
+        return None
+
+
+def validate_into_rows(
+    session: Session, blobs: BlobStore, settings: Settings, batch: Batch, blob_key: str
+) -> Outcome:
+    """Check every line of the input file and insert one request row per valid line.
+
+    When the outcome has errors the caller must roll back: rows may already have been inserted.
+    """
+    checker = _Checker(batch.endpoint, set(settings.models), settings)
+    outcome = Outcome()
+    rows: list[tuple[str, int, str, str, int, str]] = []
+    for number, raw in iter_lines(blobs.iter_chunks(blob_key)):
+        if not raw.strip():
+            continue  # blank and whitespace-only lines are allowed and skipped
+        problem, custom_id = checker.check(number, raw)
+        if problem is not None:
+            outcome.errors.append(problem)
+            if len(outcome.errors) >= settings.max_validation_errors:
+                break
+            continue
+        outcome.total += 1
+        if outcome.total > settings.max_requests_per_batch:
+            outcome.errors.append(
+                wire.batch_error(
+                    wire.TOO_MANY_REQUESTS,
+                    f"The file holds more than {settings.max_requests_per_batch} requests, the limit "
+                    "for one batch; split it into several batches.",
+                    number,
+                )
+            )
+            break
+        if not outcome.errors:
+            assert checker.model is not None
+            rows.append(
+                (batch.id, number, custom_id, checker.model, batch.expires_at, raw.decode())
+            )
+            if len(rows) >= INSERT_CHUNK:
+                requests_repo.bulk_insert(session, rows)
+                rows.clear()
+    if outcome.total == 0 and not outcome.errors:
+        outcome.errors.append(
+            wire.batch_error(wire.EMPTY_FILE, "The input file holds no request lines.")
+        )
+    if not outcome.errors:
+        requests_repo.bulk_insert(session, rows)
+    outcome.model = checker.model
+    return outcome
+
+
+def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str | None:
+    """Validate a ``validating`` batch: on success its rows exist and it is ``in_progress``;
+    otherwise it is ``failed`` with ``errors``. Returns the batch's model when it is ready to
+    run, else ``None``. Idempotent: a batch no longer ``validating`` is left alone."""
+    url = settings.resolved_database_url
+    with session_scope(url) as session:
+        batch = batches_repo.get_for_update(session, batch_id)
+        if batch is None or batch.status != "validating":
+            return None
+        file = files_repo.get_any(session, batch.input_file_id)
+        if file is None or file.deleted or not blobs.exists(file.blob_key):
+            outcome = Outcome(
+                errors=[
+                    wire.batch_error(
+                        wire.INVALID_REQUEST,
+                        "The input file was deleted before validation.",
+                        param="input_file_id",
+                    )
+                ]
+            )
+        else:
+            outcome = validate_into_rows(session, blobs, settings, batch, file.blob_key)
+        if not outcome.errors:
+            batch.status, batch.in_progress_at = "in_progress", now()
+            batch.model, batch.total = outcome.model, outcome.total
+            return outcome.model
+        session.rollback()  # drop any rows inserted before the first problem was found
+        batch = batches_repo.get_for_update(session, batch_id)
+        assert batch is not None
+        batch.status, batch.failed_at = "failed", now()
+        batch.errors = outcome.errors
+        log.info("batch %s failed validation: %d problems", batch_id, len(outcome.errors))
+        return None
