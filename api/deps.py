@@ -30,7 +30,9 @@ def get_session(settings: SettingsDep) -> Iterator[Session]:
         yield session
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# "function" scope: commit before the response is sent, so a client that acts on a response
+# (create a batch from the file it just uploaded) always finds the rows it names.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
 def get_blobs(settings: SettingsDep) -> BlobStore:

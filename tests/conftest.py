@@ -1,0 +1,160 @@
+"""Shared fixtures: a fresh PostgreSQL database migrated with Alembic, Redis as the broker, an
+in-process API for HTTP tests, and a live stack (API + control worker + engine worker on the
+real SmolLM2 model) for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from openai import OpenAI
+
+import migrations
+from api.app import create_app
+from api.services import keys
+from offpeak.processes import ServiceProcesses
+from offpeak.settings import Settings
+from storage.db import session_scope
+
+PG_ADMIN = os.environ.get("OFFPEAK_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("OFFPEAK_TEST_REDIS", "redis://127.0.0.1:6379/7")
+CASES = Path(__file__).resolve().parents[1].parent / "shared" / "cases"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def run_id() -> str:
+    return f"t{os.getpid()}{secrets.token_hex(3)}"
+
+
+@pytest.fixture(scope="session")
+def database_url(run_id: str) -> Iterator[str]:
+    """A new PostgreSQL database for this test session, built by the Alembic migrations."""
+    name = f"offpeak_{run_id}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    migrations.upgrade(url)
+    yield url
+    from storage.db import get_engine
+
+    get_engine.cache_clear()
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def broker_url(run_id: str) -> Iterator[str]:
+    yield REDIS_URL
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(f"{run_id}*"):
+        client.delete(key)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("offpeak-data")
+
+
+@pytest.fixture(scope="session")
+def base_env(database_url: str, broker_url: str, data_dir: Path, run_id: str) -> dict[str, str]:
+    """The environment every process of the session shares (settings are read from it)."""
+    return {
+        "OFFPEAK_DATABASE_URL": database_url,
+        "OFFPEAK_BROKER_URL": broker_url,
+        "OFFPEAK_DATA_DIR": str(data_dir),
+        "OFFPEAK_QUEUE_PREFIX": run_id,
+        "OFFPEAK_ALLOWED_COMPLETION_WINDOWS": '["24h", "60s", "1h"]',
+        "OFFPEAK_SWEEP_SECONDS": "2",
+    }
+
+
+def settings_from(env: dict[str, str]) -> Settings:
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return Settings()
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def settings(base_env: dict[str, str]) -> Settings:
+    return settings_from(base_env)
+
+
+def new_key(settings: Settings, tenant: str | None = None) -> str:
+    with session_scope(settings.resolved_database_url) as session:
+        return keys.create_key(session, tenant or f"tenant-{secrets.token_hex(4)}")
+
+
+@pytest.fixture(scope="session")
+def http(settings: Settings) -> Iterator[TestClient]:
+    """The API in-process (no worker consumes the tasks it sends)."""
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+@pytest.fixture()
+def api_key(settings: Settings) -> str:
+    """A key of a new tenant, so tests never see each other's files and batches."""
+    return new_key(settings)
+
+
+@pytest.fixture()
+def sdk(http: TestClient, api_key: str) -> OpenAI:
+    """The official OpenAI SDK talking to the in-process API."""
+    return OpenAI(base_url="http://testserver/v1", api_key=api_key, http_client=http,
+                  max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def live(base_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcesses]:
+    """API, control worker and engine worker on the real SmolLM2 model, for the whole session."""
+    stack = ServiceProcesses(base_env, free_port(), tmp_path_factory.mktemp("live-logs"))
+    stack.start()
+    try:
+        stack.wait_http()
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture()
+def live_sdk(live: ServiceProcesses, settings: Settings) -> OpenAI:
+    return OpenAI(base_url=f"{live.base_url}/v1", api_key=new_key(settings), max_retries=2)
+
+
+ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+def wait_for_end(client: OpenAI, batch_id: str, stack: ServiceProcesses | None = None,
+                 timeout: float = 600):  # type: ignore[no-untyped-def]
+    """Poll a batch until it ends; fail with the workers' logs when it does not."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ENDED:
+            return batch
+        if stack is not None:
+            stack.check_alive()
+        time.sleep(0.25)
+    logs = "" if stack is None else "\n".join(f"== {n}\n{stack.tail(n)}" for n in stack.procs)
+    raise AssertionError(f"batch {batch_id} did not end in {timeout} s ({batch.status})\n{logs}")
