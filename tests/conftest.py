@@ -96,8 +96,10 @@ def settings_from(env: dict[str, str]) -> Settings:
 
 
 @pytest.fixture(scope="session")
-def settings(base_env: dict[str, str]) -> Settings:
-    return settings_from(base_env)
+def settings(base_env: dict[str, str], run_id: str) -> Settings:
+    """Settings for in-process tests. Their own queue prefix keeps the tasks they send away from
+    the live stack's workers, which would otherwise run those batches on the real model."""
+    return settings_from({**base_env, "OFFPEAK_QUEUE_PREFIX": f"{run_id}-inproc"})
 
 
 def new_key(settings: Settings, tenant: str | None = None) -> str:

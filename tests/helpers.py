@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import io
+import secrets
 from collections import Counter
 from typing import Any
 
+import orjson
 from openai import OpenAI
 from openai.types import Batch
+from sqlalchemy import func, select
 
+from api.schemas import CreateBatch
+from api.services import batches as batches_service
+from api.services import files as files_service
+from api.services import keys
 from offpeak.client_tools import read_lines
+from offpeak.settings import Settings
+from storage.blobs import get_blob_store
+from storage.db import session_scope
+from storage.models import RequestLine
+from storage.repositories import batches as batches_repo
+from workers.validation import run_validation
 
 
 def files_of(client: OpenAI, batch: Batch) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -51,3 +65,45 @@ def check_ran_batch(client: OpenAI, batch: Batch, input_custom_ids: list[str]) -
         b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies)
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     return output, errors
+
+
+def line(custom_id: str = "r", model: str = "validation-model", **changes: object) -> bytes:
+    """A chat request line; ``changes`` replace (or, with None, drop) top-level keys or, as
+    ``body_<key>``, keys of the body."""
+    record: dict[str, object] = {
+        "custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": model, "messages": [{"role": "user", "content": "Hi"}]},
+    }
+    for key, value in changes.items():
+        if key.startswith("body_"):
+            body = dict(record["body"])  # type: ignore[call-overload]
+            if value is None:
+                body.pop(key[5:], None)
+            else:
+                body[key[5:]] = value
+            record["body"] = body
+        elif value is None:
+            record.pop(key, None)
+        else:
+            record[key] = value
+    return orjson.dumps(record)
+
+
+def validate(settings: Settings, data: bytes, endpoint: str = "/v1/chat/completions",
+             tenant_name: str | None = None):  # type: ignore[no-untyped-def]
+    """Upload ``data``, create a batch and run its validation; returns the batch row and the
+    number of request rows stored."""
+    blobs = get_blob_store(settings.resolved_blob_url)
+    with session_scope(settings.resolved_database_url) as session:
+        tenant = keys.ensure_tenant(session, tenant_name or f"v-{secrets.token_hex(4)}")
+        file = files_service.upload(session, blobs, settings, tenant_id=tenant.id,
+                                    stream=io.BytesIO(data), filename="in.jsonl", purpose="batch",
+                                    expires_after_seconds=None)
+        batch = batches_service.create(session, settings, tenant.id, CreateBatch(
+            input_file_id=file.id, endpoint=endpoint, completion_window="24h"))
+        session.info.pop("after_commit", None)  # this test runs the validation itself
+    run_validation(settings, blobs, batch.id)
+    with session_scope(settings.resolved_database_url) as session:
+        batch = batches_repo.get_any(session, batch.id)
+        rows = session.scalar(select(func.count()).where(RequestLine.batch_id == batch.id))
+    return batch, rows

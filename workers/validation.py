@@ -45,17 +45,26 @@ class Outcome:
 def iter_lines(chunks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
     """``(line_number, line)`` for every line of a byte stream, 1-based, without the line end
     (LF or CRLF) and without a leading UTF-8 byte-order mark. A last line needs no newline."""
-    number, rest, first = 0, b"", True
-    for chunk in chunks:
-        if first:
-            chunk, first = chunk.removeprefix(_BOM), False
-        rest += chunk
-        *lines, rest = rest.split(b"\n")
+    number, pending = 0, []  # pending: pieces of a line not yet ended (a list, not +=, so a
+    for chunk in chunks:     # line spanning many chunks is joined once, not copied per chunk)
+        if b"\n" not in chunk:
+            pending.append(chunk)
+            continue
+        *lines, tail = chunk.split(b"\n")
+        lines[0] = b"".join([*pending, lines[0]])
+        pending = [tail]
         for line in lines:
             number += 1
-            yield number, line.removesuffix(b"\r")
+            yield number, _clean(line, number)
+    rest = b"".join(pending)
     if rest:
-        yield number + 1, rest.removesuffix(b"\r")
+        yield number + 1, _clean(rest, number + 1)
+
+
+def _clean(line: bytes, number: int) -> bytes:
+    # The BOM is stripped from the first line, not the first chunk: a chunk may split it.
+    line = line.removesuffix(b"\r")
+    return line.removeprefix(_BOM) if number == 1 else line
 
 
 class _Checker:

@@ -1,0 +1,187 @@
+"""The HTTP contract through the official OpenAI SDK against the in-process API: files, batches,
+errors in OpenAI's shape, pagination and tenant isolation. No worker runs here."""
+
+from __future__ import annotations
+
+import io
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from openai import OpenAI
+
+from api.app import create_app
+from offpeak.settings import Settings
+from tests.conftest import new_key
+
+LINE = (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": '
+        b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}}\n')
+
+
+def upload(sdk: OpenAI, data: bytes = LINE, name: str = "in.jsonl"):  # type: ignore[no-untyped-def]
+    return sdk.files.create(file=(name, io.BytesIO(data)), purpose="batch")
+
+
+def error_of(exc: openai.APIStatusError) -> dict[str, object]:
+    body = exc.response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_file_lifecycle(sdk: OpenAI) -> None:
+    file = upload(sdk)
+    assert file.id.startswith("file-") and file.bytes == len(LINE) and file.purpose == "batch"
+    assert file.filename == "in.jsonl" and file.expires_at == file.created_at + 30 * 86400
+    assert sdk.files.retrieve(file.id).bytes == len(LINE)
+    assert sdk.files.content(file.id).read() == LINE
+    assert sdk.files.delete(file.id).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.retrieve(file.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.content(file.id)
+
+
+def test_files_pagination(sdk: OpenAI) -> None:
+    ids = [upload(sdk).id for _ in range(5)]
+    page = sdk.files.list(limit=2, order="asc")
+    assert [f.id for f in page.data] == ids[:2] and page.has_more
+    second = sdk.files.list(limit=2, order="asc", after=page.data[-1].id)
+    assert [f.id for f in second.data] == ids[2:4] and second.has_more
+    assert [f.id for f in page] == ids  # the SDK follows has_more/after by itself
+    assert [f.id for f in sdk.files.list(order="desc")] == ids[::-1]
+    assert [f.id for f in sdk.files.list(purpose="batch_output")] == []
+
+
+def test_upload_not_utf8_is_400_and_stores_nothing(sdk: OpenAI) -> None:
+    utf16 = LINE.decode().encode("utf-16")
+    with pytest.raises(openai.BadRequestError) as info:
+        upload(sdk, utf16)
+    error = error_of(info.value)
+    assert "UTF-8" in str(error["message"]) and "UTF-16" in str(error["message"])
+    assert sdk.files.list().data == []
+
+
+def test_upload_bad_purpose(sdk: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.files.create(file=("x.jsonl", io.BytesIO(LINE)), purpose="fine-tune")
+    assert error_of(info.value)["param"] == "purpose"
+
+
+def test_upload_over_limit_is_413(settings: Settings) -> None:
+    small = settings.model_copy(update={"max_file_bytes": 100})
+    with TestClient(create_app(small)) as http:
+        sdk = OpenAI(base_url="http://testserver/v1", api_key=new_key(small), http_client=http,
+                     max_retries=0)
+        with pytest.raises(openai.APIStatusError) as info:
+            upload(sdk, LINE * 3)
+        assert info.value.status_code == 413
+        assert sdk.files.list().data == []
+
+
+def test_auth(http: TestClient) -> None:
+    assert http.get("/v1/files").status_code == 401
+    response = http.get("/v1/files", headers={"Authorization": "Bearer nope"})
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_tenant_isolation(sdk: OpenAI, http: TestClient, settings: Settings) -> None:
+    file = upload(sdk)
+    batch = sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                               completion_window="24h")
+    other = OpenAI(base_url="http://testserver/v1", api_key=new_key(settings), http_client=http,
+                   max_retries=0)
+    for call in (lambda: other.files.retrieve(file.id), lambda: other.files.content(file.id),
+                 lambda: other.files.delete(file.id), lambda: other.batches.retrieve(batch.id),
+                 lambda: other.batches.cancel(batch.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.NotFoundError):
+        other.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                             completion_window="24h")
+    assert other.files.list().data == [] and other.batches.list().data == []
+    assert sdk.files.retrieve(file.id).id == file.id  # untouched by the other tenant
+
+
+def test_batch_create_and_shape(sdk: OpenAI) -> None:
+    file = upload(sdk)
+    batch = sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                               completion_window="24h", metadata={"team": "search"})
+    assert batch.id.startswith("batch_") and batch.status == "validating"
+    assert batch.expires_at == batch.created_at + 86400
+    assert batch.metadata == {"team": "search"}
+    assert batch.request_counts.total == 0 and batch.usage.total_tokens == 0
+    assert batch.errors is None and batch.output_file_id is None
+    assert sdk.batches.retrieve(batch.id).model_dump() == batch.model_dump()
+
+
+@pytest.mark.parametrize(
+    ("change", "status", "param"),
+    [
+        ({"completion_window": "5m"}, 400, "completion_window"),
+        ({"endpoint": "/v1/embeddings"}, 400, "endpoint"),
+        ({"endpoint": "/v2/nothing"}, 400, "endpoint"),
+        ({"input_file_id": "file-missing"}, 404, "input_file_id"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),
+        ({"metadata": {"k": "v" * 513}}, 400, "metadata"),
+        ({"metadata": {"k": 3}}, 400, "metadata"),
+    ],
+)
+def test_batch_create_errors(sdk: OpenAI, change: dict[str, object], status: int, param: str) -> None:
+    file = upload(sdk)
+    args: dict[str, object] = {"input_file_id": file.id, "endpoint": "/v1/chat/completions",
+                               "completion_window": "24h", **change}
+    with pytest.raises(openai.APIStatusError) as info:
+        sdk.batches.create(**args)  # type: ignore[arg-type]
+    assert info.value.status_code == status
+    assert error_of(info.value)["param"] == param
+    assert sdk.batches.list().data == []
+
+
+def test_batch_create_malformed_bodies(http: TestClient, api_key: str) -> None:
+    headers = {"Authorization": f"Bearer {api_key}"}
+    missing = http.post("/v1/batches", json={"endpoint": "/v1/chat/completions"}, headers=headers)
+    assert missing.status_code == 400
+    assert missing.json()["error"]["param"] == "input_file_id"
+    garbage = http.post("/v1/batches", content=b"{not json", headers={
+        **headers, "Content-Type": "application/json"})
+    assert garbage.status_code == 422
+    assert garbage.json()["error"]["message"]
+
+
+def test_batch_list_pagination(sdk: OpenAI) -> None:
+    file = upload(sdk)
+    ids = [sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                              completion_window="24h").id for _ in range(5)]
+    page = sdk.batches.list(limit=2)
+    assert [b.id for b in page.data] == ids[::-1][:2] and page.has_more
+    assert [b.id for b in page] == ids[::-1]
+    with pytest.raises(openai.BadRequestError):
+        sdk.batches.list(limit=101)
+
+
+def test_cancel_states(sdk: OpenAI, settings: Settings) -> None:
+    file = upload(sdk)
+    batch = sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                               completion_window="24h")
+    cancelled = sdk.batches.cancel(batch.id)
+    assert cancelled.status == "cancelling" and cancelled.cancelling_at is not None
+    assert sdk.batches.cancel(batch.id).status == "cancelling"  # idempotent
+    from storage.db import session_scope
+    from storage.repositories import batches as batches_repo
+
+    with session_scope(settings.resolved_database_url) as session:
+        row = batches_repo.get_any(session, batch.id)
+        assert row is not None
+        row.status = "completed"
+    with pytest.raises(openai.ConflictError):
+        sdk.batches.cancel(batch.id)
+
+
+def test_models(sdk: OpenAI) -> None:
+    assert [m.id for m in sdk.models.list()] == ["SmolLM2-135M-Instruct"]
+
+
+def test_unknown_route_is_404_in_openai_shape(http: TestClient, api_key: str) -> None:
+    response = http.get("/v1/nothing", headers={"Authorization": f"Bearer {api_key}"})
+    assert response.status_code == 404 and response.json()["error"]["message"]

@@ -1,0 +1,220 @@
+"""The runner, finalization, cancel, expiry and leases, on real PostgreSQL with engines that
+stand in for vLLM (the tests are about scheduling and bookkeeping, not the model)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+from openai import OpenAI
+from sqlalchemy import func, select
+
+from api.app import create_app
+from offpeak.settings import ModelConfig, Settings
+from storage.blobs import get_blob_store
+from storage.db import session_scope
+from storage.models import File, RequestLine
+from storage.repositories import requests as requests_repo
+from tests.conftest import new_key
+from tests.helpers import check_ran_batch, line, validate
+from workers.engine.base import EngineResult
+from workers.engine.instant import InstantEngine
+from workers.finalize import finalize
+from workers.runner import Runner
+
+MODEL = "runner-model"
+
+
+class SlowEngine(InstantEngine):
+    """Finishes one request per step, ``delay`` seconds per step, like a slow decode."""
+
+    def __init__(self, model_name: str, delay: float = 0.01) -> None:
+        super().__init__(model_name)
+        self.delay = delay
+
+    def step(self) -> list[EngineResult]:
+        time.sleep(self.delay)
+        if not self._queued:
+            return []
+        first = next(iter(self._queued))
+        keep = {k: v for k, v in self._queued.items() if k != first}
+        self._queued = {first: self._queued[first]}
+        results = super().step()
+        self._queued = keep
+        return results
+
+
+@pytest.fixture()
+def settings(settings: Settings) -> Settings:
+    return settings.model_copy(update={
+        "models": {MODEL: ModelConfig(engine="instant")}, "flush_seconds": 0.05})
+
+
+@pytest.fixture()
+def tenant_sdk(settings: Settings) -> tuple[str, OpenAI]:
+    key = new_key(settings)
+    from api.services.keys import tenant_for_key
+
+    with session_scope(settings.resolved_database_url) as session:
+        tenant = tenant_for_key(session, key)
+        assert tenant is not None
+        name = tenant.name
+    client = TestClient(create_app(settings))
+    return name, OpenAI(base_url="http://testserver/v1", api_key=key, http_client=client,
+                        max_retries=0)
+
+
+def make(settings: Settings, tenant: str, lines: list[bytes]) -> str:
+    batch, _ = validate(settings, b"\n".join(lines), tenant_name=tenant)
+    assert batch.status == "in_progress", batch.errors
+    return batch.id
+
+
+def runner(settings: Settings, engine: InstantEngine, owner: str = "w1") -> Runner:
+    return Runner(settings, engine, owner, lambda _b: None)
+
+
+def test_drain_finalize_and_files(settings: Settings, tenant_sdk: tuple[str, OpenAI]) -> None:
+    tenant, sdk = tenant_sdk
+    lines = [line(f"r{i}", model=MODEL) for i in range(9)]
+    lines.append(line("hot", model=MODEL, body_temperature=5))
+    batch_id = make(settings, tenant, lines)
+    stats = runner(settings, InstantEngine(MODEL)).drain()
+    assert stats.requests == 9
+    assert finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id).done
+    batch = sdk.batches.retrieve(batch_id)
+    assert batch.status == "completed" and batch.finalizing_at and batch.completed_at
+    output, errors = check_ran_batch(sdk, batch, [f"r{i}" for i in range(9)] + ["hot"])
+    assert len(output) == 9
+    assert errors[0]["custom_id"] == "hot" and errors[0]["response"]["status_code"] == 400
+    assert errors[0]["response"]["body"]["error"]["param"] == "temperature"
+
+
+def test_finalize_is_idempotent(settings: Settings, tenant_sdk: tuple[str, OpenAI]) -> None:
+    tenant, sdk = tenant_sdk
+    batch_id = make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(5)])
+    runner(settings, InstantEngine(MODEL)).drain()
+    blobs = get_blob_store(settings.resolved_blob_url)
+    finalize(settings, blobs, batch_id)
+    first = sdk.batches.retrieve(batch_id)
+    for _ in range(3):
+        assert finalize(settings, blobs, batch_id).done
+    again = sdk.batches.retrieve(batch_id)
+    assert again.model_dump() == first.model_dump()
+    with session_scope(settings.resolved_database_url) as session:
+        outputs = session.scalar(select(func.count()).where(
+            File.filename.like(f"{batch_id}_%")))
+    assert outputs == 1
+
+
+def test_finalize_resumes_after_a_crash_while_finalizing(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI]
+) -> None:
+    tenant, sdk = tenant_sdk
+    batch_id = make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(3)])
+    runner(settings, InstantEngine(MODEL)).drain()
+    with session_scope(settings.resolved_database_url) as session:
+        from storage.repositories import batches as batches_repo
+
+        row = batches_repo.get_any(session, batch_id)
+        assert row is not None
+        row.status = "finalizing"  # the first step committed, then the worker died
+    finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    batch = sdk.batches.retrieve(batch_id)
+    assert batch.status == "completed"
+    check_ran_batch(sdk, batch, ["r0", "r1", "r2"])
+
+
+def test_cancel_mid_chunk(settings: Settings, tenant_sdk: tuple[str, OpenAI]) -> None:
+    tenant, sdk = tenant_sdk
+    ids = [f"r{i}" for i in range(200)]
+    batch_id = make(settings, tenant, [line(i, model=MODEL) for i in ids])
+    worker = threading.Thread(target=runner(settings, SlowEngine(MODEL)).drain)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while sdk.batches.retrieve(batch_id).request_counts.completed < 10:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert sdk.batches.cancel(batch_id).status == "cancelling"
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "the runner did not stop the cancelled batch's lines"
+    finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    batch = sdk.batches.retrieve(batch_id)
+    assert batch.status == "cancelled" and batch.cancelled_at
+    output, errors = check_ran_batch(sdk, batch, ids)
+    assert 10 <= len(output) < 200
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+
+
+def test_expiry_keeps_finished_lines(settings: Settings, tenant_sdk: tuple[str, OpenAI]) -> None:
+    tenant, sdk = tenant_sdk
+    ids = [f"r{i}" for i in range(100)]
+    batch_id = make(settings, tenant, [line(i, model=MODEL) for i in ids])
+    worker = threading.Thread(target=runner(settings, SlowEngine(MODEL)).drain)
+    worker.start()
+    while sdk.batches.retrieve(batch_id).request_counts.completed < 5:
+        time.sleep(0.02)
+    with session_scope(settings.resolved_database_url) as session:
+        from storage.repositories import batches as batches_repo
+
+        row = batches_repo.get_any(session, batch_id)
+        assert row is not None
+        row.expires_at = int(time.time()) - 1  # the window ran out
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+    finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    batch = sdk.batches.retrieve(batch_id)
+    assert batch.status == "expired" and batch.expired_at
+    output, errors = check_ran_batch(sdk, batch, ids)
+    assert len(output) >= 5 and errors
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+
+
+def test_lease_takeover_runs_each_line_once(settings: Settings, tenant_sdk: tuple[str, OpenAI]) -> None:
+    tenant, sdk = tenant_sdk
+    ids = [f"r{i}" for i in range(20)]
+    batch_id = make(settings, tenant, [line(i, model=MODEL) for i in ids])
+    url = settings.resolved_database_url
+    with session_scope(url) as session:  # worker A claims, then dies without a heartbeat
+        dead = requests_repo.claim(session, model=MODEL, limit=100, owner="dead",
+                                   lease_until=time.time() - 1, at=time.time())
+    assert len(dead) == 20
+    runner(settings, InstantEngine(MODEL), owner="alive").drain()  # B takes over
+    # A wakes up and tries to write its (stale) results: nothing may change.
+    with session_scope(url) as session:
+        requests_repo.write_results(session, "dead", [
+            {"id": r.id, "status": "failed", "status_code": 500, "result": "{}"} for r in dead])
+    finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    batch = sdk.batches.retrieve(batch_id)
+    output, _ = check_ran_batch(sdk, batch, ids)
+    assert len(output) == 20
+    with session_scope(url) as session:
+        attempts = session.scalars(select(RequestLine.attempts).where(
+            RequestLine.batch_id == batch_id)).all()
+    assert set(attempts) == {2}
+
+
+def test_concurrent_claims_are_disjoint(settings: Settings, tenant_sdk: tuple[str, OpenAI]) -> None:
+    tenant, _ = tenant_sdk
+    make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(300)])
+    url = settings.resolved_database_url
+    claimed: dict[str, list[int]] = {}
+    barrier = threading.Barrier(3)
+
+    def claim(owner: str) -> None:
+        barrier.wait()
+        with session_scope(url) as session:
+            rows = requests_repo.claim(session, model=MODEL, limit=100, owner=owner,
+                                       lease_until=time.time() + 60, at=time.time())
+            time.sleep(0.2)  # hold the row locks while the others claim
+        claimed[owner] = [r.id for r in rows]
+
+    threads = [threading.Thread(target=claim, args=(f"w{i}",)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    every = [i for ids in claimed.values() for i in ids]
+    assert len(every) == len(set(every)) == 300
