@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from offpeak.cli_plan import plan_app, simulate_app
+from offpeak.cli_plan import calibrate_command, plan_app, simulate_app
 from offpeak.settings import get_settings
 
 app = typer.Typer(help="Offpeak: the OpenAI Batch API on idle GPU time.", no_args_is_help=True)
@@ -212,9 +212,4 @@ def demo(
     raise typer.Exit(run_demo(port, console))
 
 
-try:  # issue 5's commands, when present
-    from offpeak.cli_plan import calibrate_command
-
-    app.command("calibrate")(calibrate_command)
-except ImportError:  # pragma: no cover
-    pass
+app.command("calibrate")(calibrate_command)

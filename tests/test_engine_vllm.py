@@ -167,7 +167,10 @@ def test_logprobs_with_top_alternatives(engine) -> None:
     (completion,) = one(engine, request(ids, max_tokens=8, logprobs=3)).completions
     assert completion.logprobs is not None
     assert len(completion.logprobs) == len(completion.token_ids)
-    assert "".join(lp.token for lp in completion.logprobs) == completion.text
+    tokens = [lp.token for lp in completion.logprobs]
+    # token_ids (and so logprobs) end with the end-of-turn token the text leaves out, as in vLLM.
+    assert completion.token_ids[-1] == engine._tokenizer.eos_token_id
+    assert "".join(tokens[:-1]) == completion.text
     for lp in completion.logprobs:
         assert lp.logprob <= 0.0
         assert len(lp.top) == 3

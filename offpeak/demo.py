@@ -1,0 +1,140 @@
+"""``offpeak demo``: the whole product on one machine, on the real default model.
+
+Starts the API and both workers as child processes (embedded SQLite + filesystem broker unless
+settings say otherwise), submits ``examples/quickstart.jsonl`` through the official ``openai`` SDK
+(one batch per endpoint, since a batch targets one endpoint), shows progress, prints answers with
+their usage, and leaves the output on disk.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import orjson
+from openai import OpenAI
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from offpeak.client_tools import ENDED, read_lines
+from offpeak.processes import ServiceProcesses
+from offpeak.settings import get_settings
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.jsonl"
+#: The documented local key of demo mode (tenant ``local``); never set it on a shared server.
+DEMO_KEY = "sk-offpeak-local-demo"
+OUTPUT = Path("offpeak-demo-output.jsonl")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def split_by_endpoint(path: Path, folder: Path) -> dict[str, Path]:
+    """Write one file per ``url`` found in ``path`` (a batch runs one endpoint)."""
+    groups: dict[str, list[bytes]] = defaultdict(list)
+    for raw in path.read_bytes().splitlines():
+        if raw.strip():
+            groups[orjson.loads(raw)["url"]].append(raw)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for url, lines in groups.items():
+        target = folder / f"quickstart-{url.strip('/').replace('/', '-')}.jsonl"
+        target.write_bytes(b"\n".join(lines) + b"\n")
+        files[url] = target
+    return files
+
+
+def _answer(line: dict) -> str:  # type: ignore[type-arg]
+    body = line["response"]["body"]
+    texts = [c["message"]["content"] if "message" in c else c["text"] for c in body["choices"]]
+    return " | ".join(t.strip().replace("\n", " ") for t in texts)
+
+
+def run_demo(port: int, console: Console) -> int:
+    settings = get_settings()
+    if not _port_free(port):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    data_dir = settings.data_dir.resolve()
+    env = {"OFFPEAK_LOCAL_API_KEY": DEMO_KEY, "OFFPEAK_DATA_DIR": str(data_dir)}
+    console.print(f"[bold]Offpeak demo[/bold] · database {settings.resolved_database_url}")
+    console.print(f"  broker {settings.resolved_broker_url} · files {settings.resolved_blob_url}")
+    stack = ServiceProcesses(env, port, data_dir / "logs")
+    with console.status("starting the API and workers (the engine loads the model: ~30 s)"):
+        stack.start()
+        stack.wait_http()
+    try:
+        client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=DEMO_KEY)
+        console.print(f"API on {stack.base_url}/v1 · models: "
+                      f"{', '.join(m.id for m in client.models.list())}")
+        started = time.monotonic()
+        batches = {}
+        for url, path in split_by_endpoint(QUICKSTART, data_dir / "demo").items():
+            with path.open("rb") as handle:
+                file = client.files.create(file=(path.name, handle), purpose="batch")
+            batch = client.batches.create(input_file_id=file.id, endpoint=url,  # type: ignore[arg-type]
+                                          completion_window="24h", metadata={"source": "demo"})
+            batches[batch.id] = batch
+            console.print(f"submitted {path.name} as {batch.id} ({url})")
+        batches = _wait(client, stack, batches, console)
+        seconds = time.monotonic() - started
+        return _report(client, batches, seconds, console)
+    finally:
+        stack.stop()
+        console.print(f"logs in {stack.log_dir}")
+
+
+def _wait(client: OpenAI, stack: ServiceProcesses, batches: dict, console: Console) -> dict:  # type: ignore[type-arg]
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[status]}"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        tasks = {bid: progress.add_task(bid, total=None, status="validating") for bid in batches}
+        while True:
+            stack.check_alive()
+            for batch_id in batches:
+                batch = client.batches.retrieve(batch_id)
+                batches[batch_id] = batch
+                counts = batch.request_counts
+                progress.update(tasks[batch_id], total=counts.total or None,
+                                completed=counts.completed + counts.failed,
+                                status=f"{batch.status} · {batch.usage.output_tokens} tokens out")
+            if all(b.status in ENDED for b in batches.values()):
+                return batches
+            time.sleep(0.5)
+
+
+def _report(client: OpenAI, batches: dict, seconds: float, console: Console) -> int:  # type: ignore[type-arg]
+    table = Table(title="answers (SmolLM2-135M-Instruct)", show_lines=False)
+    for column in ("custom_id", "answer", "prompt", "completion"):
+        table.add_column(column, overflow="fold")
+    outputs, ok = [], True
+    total_in = total_out = 0
+    for batch in batches.values():
+        ok &= batch.status == "completed"
+        lines = read_lines(client, batch.output_file_id)
+        errors = read_lines(client, batch.error_file_id)
+        outputs.extend(lines + errors)
+        for line in lines:
+            usage = line["response"]["body"]["usage"]
+            table.add_row(line["custom_id"], _answer(line)[:90], str(usage["prompt_tokens"]),
+                          str(usage["completion_tokens"]))
+        for line in errors:
+            table.add_row(line["custom_id"], f"[red]error: {line}[/red]", "-", "-")
+        total_in += batch.usage.input_tokens
+        total_out += batch.usage.output_tokens
+    console.print(table)
+    OUTPUT.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in outputs))
+    for batch in batches.values():
+        counts = batch.request_counts
+        console.print(f"{batch.id}: {batch.status}, {counts.completed}/{counts.total} completed, "
+                      f"{counts.failed} failed, usage {batch.usage.input_tokens} in / "
+                      f"{batch.usage.output_tokens} out")
+    console.print(f"{total_in} prompt + {total_out} completion tokens in {seconds:.1f} s "
+                  f"(engine start included) · output written to {OUTPUT.resolve()}")
+    return 0 if ok else 1
