@@ -71,15 +71,20 @@ def run_demo(port: int, console: Console) -> int:
         stack.wait_http()
     try:
         client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=DEMO_KEY)
-        console.print(f"API on {stack.base_url}/v1 · models: "
-                      f"{', '.join(m.id for m in client.models.list())}")
+        console.print(
+            f"API on {stack.base_url}/v1 · models: {', '.join(m.id for m in client.models.list())}"
+        )
         started = time.monotonic()
         batches = {}
         for url, path in split_by_endpoint(QUICKSTART, data_dir / "demo").items():
             with path.open("rb") as handle:
                 file = client.files.create(file=(path.name, handle), purpose="batch")
-            batch = client.batches.create(input_file_id=file.id, endpoint=url,  # type: ignore[arg-type]
-                                          completion_window="24h", metadata={"source": "demo"})
+            batch = client.batches.create(
+                input_file_id=file.id,
+                endpoint=url,  # type: ignore[arg-type]
+                completion_window="24h",
+                metadata={"source": "demo"},
+            )
             batches[batch.id] = batch
             console.print(f"submitted {path.name} as {batch.id} ({url})")
         batches = _wait(client, stack, batches, console)
@@ -91,8 +96,13 @@ def run_demo(port: int, console: Console) -> int:
 
 
 def _wait(client: OpenAI, stack: ServiceProcesses, batches: dict, console: Console) -> dict:  # type: ignore[type-arg]
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[status]}"), TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console) as progress:
         tasks = {bid: progress.add_task(bid, total=None, status="validating") for bid in batches}
         while True:
@@ -101,9 +111,12 @@ def _wait(client: OpenAI, stack: ServiceProcesses, batches: dict, console: Conso
                 batch = client.batches.retrieve(batch_id)
                 batches[batch_id] = batch
                 counts = batch.request_counts
-                progress.update(tasks[batch_id], total=counts.total or None,
-                                completed=counts.completed + counts.failed,
-                                status=f"{batch.status} · {batch.usage.output_tokens} tokens out")
+                progress.update(
+                    tasks[batch_id],
+                    total=counts.total or None,
+                    completed=counts.completed + counts.failed,
+                    status=f"{batch.status} · {batch.usage.output_tokens} tokens out",
+                )
             if all(b.status in ENDED for b in batches.values()):
                 return batches
             time.sleep(0.5)
@@ -122,8 +135,12 @@ def _report(client: OpenAI, batches: dict, seconds: float, console: Console) -> 
         outputs.extend(lines + errors)
         for line in lines:
             usage = line["response"]["body"]["usage"]
-            table.add_row(line["custom_id"], _answer(line)[:90], str(usage["prompt_tokens"]),
-                          str(usage["completion_tokens"]))
+            table.add_row(
+                line["custom_id"],
+                _answer(line)[:90],
+                str(usage["prompt_tokens"]),
+                str(usage["completion_tokens"]),
+            )
         for line in errors:
             table.add_row(line["custom_id"], f"[red]error: {line}[/red]", "-", "-")
         total_in += batch.usage.input_tokens
@@ -132,9 +149,13 @@ def _report(client: OpenAI, batches: dict, seconds: float, console: Console) -> 
     OUTPUT.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in outputs))
     for batch in batches.values():
         counts = batch.request_counts
-        console.print(f"{batch.id}: {batch.status}, {counts.completed}/{counts.total} completed, "
-                      f"{counts.failed} failed, usage {batch.usage.input_tokens} in / "
-                      f"{batch.usage.output_tokens} out")
-    console.print(f"{total_in} prompt + {total_out} completion tokens in {seconds:.1f} s "
-                  f"(engine start included) · output written to {OUTPUT.resolve()}")
+        console.print(
+            f"{batch.id}: {batch.status}, {counts.completed}/{counts.total} completed, "
+            f"{counts.failed} failed, usage {batch.usage.input_tokens} in / "
+            f"{batch.usage.output_tokens} out"
+        )
+    console.print(
+        f"{total_in} prompt + {total_out} completion tokens in {seconds:.1f} s "
+        f"(engine start included) · output written to {OUTPUT.resolve()}"
+    )
     return 0 if ok else 1

@@ -123,12 +123,13 @@ def api_key(settings: Settings) -> str:
 @pytest.fixture()
 def sdk(http: TestClient, api_key: str) -> OpenAI:
     """The official OpenAI SDK talking to the in-process API."""
-    return OpenAI(base_url="http://testserver/v1", api_key=api_key, http_client=http,
-                  max_retries=0)
+    return OpenAI(base_url="http://testserver/v1", api_key=api_key, http_client=http, max_retries=0)
 
 
 @pytest.fixture(scope="session")
-def live(base_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcesses]:
+def live(
+    base_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProcesses]:
     """API, control worker and engine worker on the real SmolLM2 model, for the whole session."""
     stack = ServiceProcesses(base_env, free_port(), tmp_path_factory.mktemp("live-logs"))
     stack.start()
@@ -147,8 +148,9 @@ def live_sdk(live: ServiceProcesses, settings: Settings) -> OpenAI:
 ENDED = ("completed", "failed", "expired", "cancelled")
 
 
-def wait_for_end(client: OpenAI, batch_id: str, stack: ServiceProcesses | None = None,
-                 timeout: float = 600):  # type: ignore[no-untyped-def]
+def wait_for_end(
+    client: OpenAI, batch_id: str, stack: ServiceProcesses | None = None, timeout: float = 600
+):  # type: ignore[no-untyped-def]
     """Poll a batch until it ends; fail with the workers' logs when it does not."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -29,9 +29,9 @@ def files_of(client: OpenAI, batch: Batch) -> tuple[list[dict[str, Any]], list[d
     return read_lines(client, batch.output_file_id), read_lines(client, batch.error_file_id)
 
 
-def check_ran_batch(client: OpenAI, batch: Batch, input_custom_ids: list[str]) -> tuple[
-    list[dict[str, Any]], list[dict[str, Any]]
-]:
+def check_ran_batch(
+    client: OpenAI, batch: Batch, input_custom_ids: list[str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every custom_id exactly once across the two files; counts and usage match the lines;
     every line has the contract's shape. Returns the output and error lines."""
     output, errors = files_of(client, batch)
@@ -41,14 +41,18 @@ def check_ran_batch(client: OpenAI, batch: Batch, input_custom_ids: list[str]) -
     counts = batch.request_counts
     assert counts is not None
     assert (counts.total, counts.completed, counts.failed) == (
-        len(input_custom_ids), len(output), len(errors))
+        len(input_custom_ids),
+        len(output),
+        len(errors),
+    )
     for line in output:
         assert line["id"].startswith("batch_req_") and line["error"] is None
         assert line["response"]["status_code"] == 200
         body = line["response"]["body"]
         assert body["object"] in ("chat.completion", "text_completion")
         assert body["usage"]["total_tokens"] == (
-            body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"])
+            body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+        )
     for line in errors:
         assert line["id"].startswith("batch_req_")
         if line["response"] is not None:
@@ -62,7 +66,8 @@ def check_ran_batch(client: OpenAI, batch: Batch, input_custom_ids: list[str]) -
     assert usage.input_tokens == sum(b["usage"]["prompt_tokens"] for b in bodies)
     assert usage.output_tokens == sum(b["usage"]["completion_tokens"] for b in bodies)
     assert usage.input_tokens_details.cached_tokens == sum(
-        b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies)
+        b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies
+    )
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     return output, errors
 
@@ -71,7 +76,9 @@ def line(custom_id: str = "r", model: str = "validation-model", **changes: objec
     """A chat request line; ``changes`` replace (or, with None, drop) top-level keys or, as
     ``body_<key>``, keys of the body."""
     record: dict[str, object] = {
-        "custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
         "body": {"model": model, "messages": [{"role": "user", "content": "Hi"}]},
     }
     for key, value in changes.items():
@@ -89,18 +96,33 @@ def line(custom_id: str = "r", model: str = "validation-model", **changes: objec
     return orjson.dumps(record)
 
 
-def validate(settings: Settings, data: bytes, endpoint: str = "/v1/chat/completions",
-             tenant_name: str | None = None):  # type: ignore[no-untyped-def]
+def validate(
+    settings: Settings,
+    data: bytes,
+    endpoint: str = "/v1/chat/completions",
+    tenant_name: str | None = None,
+):  # type: ignore[no-untyped-def]
     """Upload ``data``, create a batch and run its validation; returns the batch row and the
     number of request rows stored."""
     blobs = get_blob_store(settings.resolved_blob_url)
     with session_scope(settings.resolved_database_url) as session:
         tenant = keys.ensure_tenant(session, tenant_name or f"v-{secrets.token_hex(4)}")
-        file = files_service.upload(session, blobs, settings, tenant_id=tenant.id,
-                                    stream=io.BytesIO(data), filename="in.jsonl", purpose="batch",
-                                    expires_after_seconds=None)
-        batch = batches_service.create(session, settings, tenant.id, CreateBatch(
-            input_file_id=file.id, endpoint=endpoint, completion_window="24h"))
+        file = files_service.upload(
+            session,
+            blobs,
+            settings,
+            tenant_id=tenant.id,
+            stream=io.BytesIO(data),
+            filename="in.jsonl",
+            purpose="batch",
+            expires_after_seconds=None,
+        )
+        batch = batches_service.create(
+            session,
+            settings,
+            tenant.id,
+            CreateBatch(input_file_id=file.id, endpoint=endpoint, completion_window="24h"),
+        )
         session.info.pop("after_commit", None)  # this test runs the validation itself
     run_validation(settings, blobs, batch.id)
     with session_scope(settings.resolved_database_url) as session:

@@ -14,8 +14,10 @@ from api.app import create_app
 from offpeak.settings import Settings
 from tests.conftest import new_key
 
-LINE = (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": '
-        b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}}\n')
+LINE = (
+    b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": '
+    b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}}\n'
+)
 
 
 def upload(sdk: OpenAI, data: bytes = LINE, name: str = "in.jsonl"):  # type: ignore[no-untyped-def]
@@ -70,8 +72,9 @@ def test_upload_bad_purpose(sdk: OpenAI) -> None:
 def test_upload_over_limit_is_413(settings: Settings) -> None:
     small = settings.model_copy(update={"max_file_bytes": 100})
     with TestClient(create_app(small)) as http:
-        sdk = OpenAI(base_url="http://testserver/v1", api_key=new_key(small), http_client=http,
-                     max_retries=0)
+        sdk = OpenAI(
+            base_url="http://testserver/v1", api_key=new_key(small), http_client=http, max_retries=0
+        )
         with pytest.raises(openai.APIStatusError) as info:
             upload(sdk, LINE * 3)
         assert info.value.status_code == 413
@@ -87,26 +90,37 @@ def test_auth(http: TestClient) -> None:
 
 def test_tenant_isolation(sdk: OpenAI, http: TestClient, settings: Settings) -> None:
     file = upload(sdk)
-    batch = sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                               completion_window="24h")
-    other = OpenAI(base_url="http://testserver/v1", api_key=new_key(settings), http_client=http,
-                   max_retries=0)
-    for call in (lambda: other.files.retrieve(file.id), lambda: other.files.content(file.id),
-                 lambda: other.files.delete(file.id), lambda: other.batches.retrieve(batch.id),
-                 lambda: other.batches.cancel(batch.id)):
+    batch = sdk.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    other = OpenAI(
+        base_url="http://testserver/v1", api_key=new_key(settings), http_client=http, max_retries=0
+    )
+    for call in (
+        lambda: other.files.retrieve(file.id),
+        lambda: other.files.content(file.id),
+        lambda: other.files.delete(file.id),
+        lambda: other.batches.retrieve(batch.id),
+        lambda: other.batches.cancel(batch.id),
+    ):
         with pytest.raises(openai.NotFoundError):
             call()
     with pytest.raises(openai.NotFoundError):
-        other.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                             completion_window="24h")
+        other.batches.create(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
     assert other.files.list().data == [] and other.batches.list().data == []
     assert sdk.files.retrieve(file.id).id == file.id  # untouched by the other tenant
 
 
 def test_batch_create_and_shape(sdk: OpenAI) -> None:
     file = upload(sdk)
-    batch = sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                               completion_window="24h", metadata={"team": "search"})
+    batch = sdk.batches.create(
+        input_file_id=file.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"team": "search"},
+    )
     assert batch.id.startswith("batch_") and batch.status == "validating"
     assert batch.expires_at == batch.created_at + 86400
     assert batch.metadata == {"team": "search"}
@@ -127,10 +141,16 @@ def test_batch_create_and_shape(sdk: OpenAI) -> None:
         ({"metadata": {"k": 3}}, 400, "metadata"),
     ],
 )
-def test_batch_create_errors(sdk: OpenAI, change: dict[str, object], status: int, param: str) -> None:
+def test_batch_create_errors(
+    sdk: OpenAI, change: dict[str, object], status: int, param: str
+) -> None:
     file = upload(sdk)
-    args: dict[str, object] = {"input_file_id": file.id, "endpoint": "/v1/chat/completions",
-                               "completion_window": "24h", **change}
+    args: dict[str, object] = {
+        "input_file_id": file.id,
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+        **change,
+    }
     with pytest.raises(openai.APIStatusError) as info:
         sdk.batches.create(**args)  # type: ignore[arg-type]
     assert info.value.status_code == status
@@ -143,16 +163,21 @@ def test_batch_create_malformed_bodies(http: TestClient, api_key: str) -> None:
     missing = http.post("/v1/batches", json={"endpoint": "/v1/chat/completions"}, headers=headers)
     assert missing.status_code == 400
     assert missing.json()["error"]["param"] == "input_file_id"
-    garbage = http.post("/v1/batches", content=b"{not json", headers={
-        **headers, "Content-Type": "application/json"})
+    garbage = http.post(
+        "/v1/batches", content=b"{not json", headers={**headers, "Content-Type": "application/json"}
+    )
     assert garbage.status_code == 422
     assert garbage.json()["error"]["message"]
 
 
 def test_batch_list_pagination(sdk: OpenAI) -> None:
     file = upload(sdk)
-    ids = [sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                              completion_window="24h").id for _ in range(5)]
+    ids = [
+        sdk.batches.create(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ).id
+        for _ in range(5)
+    ]
     page = sdk.batches.list(limit=2)
     assert [b.id for b in page.data] == ids[::-1][:2] and page.has_more
     assert [b.id for b in page] == ids[::-1]
@@ -162,8 +187,9 @@ def test_batch_list_pagination(sdk: OpenAI) -> None:
 
 def test_cancel_states(sdk: OpenAI, settings: Settings) -> None:
     file = upload(sdk)
-    batch = sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                               completion_window="24h")
+    batch = sdk.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     cancelled = sdk.batches.cancel(batch.id)
     assert cancelled.status == "cancelling" and cancelled.cancelling_at is not None
     assert sdk.batches.cancel(batch.id).status == "cancelling"  # idempotent

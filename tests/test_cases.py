@@ -33,8 +33,11 @@ def input_custom_ids(raw: bytes) -> list[str]:
 def run_case(client: OpenAI, live: Any, case: Path, expect: dict[str, Any]) -> None:
     raw = (case / "input.jsonl").read_bytes()
     endpoint = expect.get("endpoint", "/v1/chat/completions")
-    http = httpx.Client(base_url=str(client.base_url),
-                        headers={"Authorization": f"Bearer {client.api_key}"}, timeout=60)
+    http = httpx.Client(
+        base_url=str(client.base_url),
+        headers={"Authorization": f"Bearer {client.api_key}"},
+        timeout=60,
+    )
     upload = http.post("/files", files={"file": ("input.jsonl", raw)}, data={"purpose": "batch"})
     if "upload_status" in expect:
         assert upload.status_code == expect["upload_status"], upload.text
@@ -56,9 +59,13 @@ def run_case(client: OpenAI, live: Any, case: Path, expect: dict[str, Any]) -> N
     for wanted in expect.get("errors", []):
         found = batch.errors.data if batch.errors else []
         codes = wanted.get("code_any") or [wanted["code"]]
-        matches = [e for e in found if e.code in codes
-                   and ("line" not in wanted or e.line == wanted["line"])
-                   and ("param" not in wanted or e.param == wanted["param"])]
+        matches = [
+            e
+            for e in found
+            if e.code in codes
+            and ("line" not in wanted or e.line == wanted["line"])
+            and ("param" not in wanted or e.param == wanted["param"])
+        ]
         assert matches, f"expected {wanted} in {found}"
     if batch.status == "failed":
         assert batch.output_file_id is None

@@ -48,8 +48,9 @@ class SlowEngine(InstantEngine):
 
 @pytest.fixture()
 def settings(settings: Settings) -> Settings:
-    return settings.model_copy(update={
-        "models": {MODEL: ModelConfig(engine="instant")}, "flush_seconds": 0.05})
+    return settings.model_copy(
+        update={"models": {MODEL: ModelConfig(engine="instant")}, "flush_seconds": 0.05}
+    )
 
 
 @pytest.fixture()
@@ -62,8 +63,9 @@ def tenant_sdk(settings: Settings) -> tuple[str, OpenAI]:
         assert tenant is not None
         name = tenant.name
     client = TestClient(create_app(settings))
-    return name, OpenAI(base_url="http://testserver/v1", api_key=key, http_client=client,
-                        max_retries=0)
+    return name, OpenAI(
+        base_url="http://testserver/v1", api_key=key, http_client=client, max_retries=0
+    )
 
 
 def make(settings: Settings, tenant: str, lines: list[bytes]) -> str:
@@ -104,8 +106,7 @@ def test_finalize_is_idempotent(settings: Settings, tenant_sdk: tuple[str, OpenA
     again = sdk.batches.retrieve(batch_id)
     assert again.model_dump() == first.model_dump()
     with session_scope(settings.resolved_database_url) as session:
-        outputs = session.scalar(select(func.count()).where(
-            File.filename.like(f"{batch_id}_%")))
+        outputs = session.scalar(select(func.count()).where(File.filename.like(f"{batch_id}_%")))
     assert outputs == 1
 
 
@@ -172,27 +173,39 @@ def test_expiry_keeps_finished_lines(settings: Settings, tenant_sdk: tuple[str, 
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
 
 
-def test_lease_takeover_runs_each_line_once(settings: Settings, tenant_sdk: tuple[str, OpenAI]) -> None:
+def test_lease_takeover_runs_each_line_once(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI]
+) -> None:
     tenant, sdk = tenant_sdk
     ids = [f"r{i}" for i in range(20)]
     batch_id = make(settings, tenant, [line(i, model=MODEL) for i in ids])
     url = settings.resolved_database_url
     with session_scope(url) as session:  # worker A claims, then dies without a heartbeat
-        dead = requests_repo.claim(session, model=MODEL, limit=100, owner="dead",
-                                   lease_until=time.time() - 1, at=time.time())
+        dead = requests_repo.claim(
+            session,
+            model=MODEL,
+            limit=100,
+            owner="dead",
+            lease_until=time.time() - 1,
+            at=time.time(),
+        )
     assert len(dead) == 20
     runner(settings, InstantEngine(MODEL), owner="alive").drain()  # B takes over
     # A wakes up and tries to write its (stale) results: nothing may change.
     with session_scope(url) as session:
-        requests_repo.write_results(session, "dead", [
-            {"id": r.id, "status": "failed", "status_code": 500, "result": "{}"} for r in dead])
+        requests_repo.write_results(
+            session,
+            "dead",
+            [{"id": r.id, "status": "failed", "status_code": 500, "result": "{}"} for r in dead],
+        )
     finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
     batch = sdk.batches.retrieve(batch_id)
     output, _ = check_ran_batch(sdk, batch, ids)
     assert len(output) == 20
     with session_scope(url) as session:
-        attempts = session.scalars(select(RequestLine.attempts).where(
-            RequestLine.batch_id == batch_id)).all()
+        attempts = session.scalars(
+            select(RequestLine.attempts).where(RequestLine.batch_id == batch_id)
+        ).all()
     assert set(attempts) == {2}
 
 
@@ -206,8 +219,14 @@ def test_concurrent_claims_are_disjoint(settings: Settings, tenant_sdk: tuple[st
     def claim(owner: str) -> None:
         barrier.wait()
         with session_scope(url) as session:
-            rows = requests_repo.claim(session, model=MODEL, limit=100, owner=owner,
-                                       lease_until=time.time() + 60, at=time.time())
+            rows = requests_repo.claim(
+                session,
+                model=MODEL,
+                limit=100,
+                owner=owner,
+                lease_until=time.time() + 60,
+                at=time.time(),
+            )
             time.sleep(0.2)  # hold the row locks while the others claim
         claimed[owner] = [r.id for r in rows]
 

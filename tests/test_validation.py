@@ -43,7 +43,9 @@ def settings(settings: Settings) -> Settings:
         (line("x", body="text"), "invalid_request", "body"),
     ],
 )
-def test_rule_names_its_line(settings: Settings, second_line: bytes, code: str, param: str | None) -> None:
+def test_rule_names_its_line(
+    settings: Settings, second_line: bytes, code: str, param: str | None
+) -> None:
     batch, rows = validate(settings, line("a") + b"\n" + second_line + b"\n" + line("c") + b"\n")
     assert batch.status == "failed" and batch.failed_at is not None
     assert [(e["code"], e["line"], e["param"]) for e in batch.errors] == [(code, 2, param)]
@@ -51,7 +53,9 @@ def test_rule_names_its_line(settings: Settings, second_line: bytes, code: str, 
 
 
 def test_mismatched_model(settings: Settings) -> None:
-    two = settings.model_copy(update={"models": {**settings.models, "other": settings.models[MODEL]}})
+    two = settings.model_copy(
+        update={"models": {**settings.models, "other": settings.models[MODEL]}}
+    )
     batch, _ = validate(two, line("a") + b"\n" + line("b", body_model="other") + b"\n")
     assert [(e["code"], e["line"]) for e in batch.errors] == [("mismatched_model", 2)]
 
@@ -60,14 +64,18 @@ def test_completions_need_prompt(settings: Settings) -> None:
     data = line("a", url="/v1/completions", body={"model": MODEL})
     batch, _ = validate(settings, data, "/v1/completions")
     assert [(e["code"], e["param"]) for e in batch.errors] == [
-        ("missing_required_parameter", "body.prompt")]
+        ("missing_required_parameter", "body.prompt")
+    ]
 
 
 def test_every_problem_listed_with_lines_counting_blank_ones(settings: Settings) -> None:
     data = b"\n".join([line("a"), b"", b"oops", b"   ", line("a"), line("d", url="/x")])
     batch, _ = validate(settings, data)
     assert [(e["code"], e["line"]) for e in batch.errors] == [
-        ("invalid_json_line", 3), ("duplicate_custom_id", 5), ("invalid_url", 6)]
+        ("invalid_json_line", 3),
+        ("duplicate_custom_id", 5),
+        ("invalid_url", 6),
+    ]
 
 
 def test_bom_crlf_blank_lines_are_fine(settings: Settings) -> None:
@@ -102,8 +110,9 @@ def test_many_lines_go_in_by_copy(settings: Settings) -> None:
     batch, rows = validate(settings, data)
     assert batch.status == "in_progress" and rows == batch.total == 12_345
     with session_scope(settings.resolved_database_url) as session:
-        last = session.scalar(select(RequestLine).where(RequestLine.batch_id == batch.id,
-                                                        RequestLine.line == 12_345))
+        last = session.scalar(
+            select(RequestLine).where(RequestLine.batch_id == batch.id, RequestLine.line == 12_345)
+        )
         assert last is not None and last.custom_id == "r12344"
         assert orjson.loads(last.line_json)["custom_id"] == "r12344"
 
@@ -111,5 +120,5 @@ def test_many_lines_go_in_by_copy(settings: Settings) -> None:
 def test_iter_lines_across_chunk_boundaries() -> None:
     data = b"\xef\xbb\xbfab\r\ncd\n\nef"
     for size in range(1, len(data) + 1):
-        chunks = (data[i:i + size] for i in range(0, len(data), size))
+        chunks = (data[i : i + size] for i in range(0, len(data), size))
         assert list(iter_lines(chunks)) == [(1, b"ab"), (2, b"cd"), (3, b""), (4, b"ef")]

