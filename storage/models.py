@@ -169,3 +169,53 @@ class WorkerRecord(Base):
     started_at: Mapped[float] = mapped_column(Float)
     heartbeat_at: Mapped[float] = mapped_column(Float)
     ready: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class EngineChunk(Base):
+    """One accounting period of an engine: the wall-seconds it spent stepping (GPU-seconds on a
+    GPU host) and the requests that finished in it. Written in the same transaction as those
+    requests' results, so every period is recorded exactly once."""
+
+    __tablename__ = "engine_chunks"
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
+    worker_id: Mapped[str] = mapped_column(String(128))
+    model: Mapped[str] = mapped_column(String(200), index=True)
+    #: ``cpu`` or the GPU's name, so prices per device can apply.
+    device: Mapped[str] = mapped_column(String(128))
+    started_at: Mapped[float] = mapped_column(Float, index=True)
+    ended_at: Mapped[float] = mapped_column(Float)
+    #: Seconds the engine spent in ``step()`` in this period, plus busy seconds carried from
+    #: earlier periods in which no request finished.
+    busy_seconds: Mapped[float] = mapped_column(Float)
+    requests: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+
+
+class EngineChunkBatch(Base):
+    """A batch's share of one engine chunk: the tokens of its requests that finished in it."""
+
+    __tablename__ = "engine_chunk_batches"
+
+    chunk_id: Mapped[int] = mapped_column(
+        ForeignKey("engine_chunks.id", ondelete="CASCADE"), primary_key=True
+    )
+    batch_id: Mapped[str] = mapped_column(
+        ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+    requests: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+
+
+class SchedulerState(Base):
+    """Small shared scheduler state by key (the admin pause switch, the last load reading)."""
+
+    __tablename__ = "scheduler_state"
+
+    key: Mapped[str] = mapped_column(String(128), primary_key=True)
+    value: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    updated_at: Mapped[float] = mapped_column(Float)

@@ -15,7 +15,7 @@ from api.app import create_app
 from offpeak.settings import ModelConfig, Settings
 from storage.blobs import get_blob_store
 from storage.db import session_scope
-from storage.models import File, RequestLine
+from storage.models import EngineChunk, EngineChunkBatch, File, RequestLine
 from storage.repositories import requests as requests_repo
 from tests.conftest import new_key
 from tests.helpers import check_ran_batch, line, validate
@@ -92,6 +92,17 @@ def test_drain_finalize_and_files(settings: Settings, tenant_sdk: tuple[str, Ope
     assert len(output) == 9
     assert errors[0]["custom_id"] == "hot" and errors[0]["response"]["status_code"] == 400
     assert errors[0]["response"]["body"]["error"]["param"] == "temperature"
+    with session_scope(settings.resolved_database_url) as session:
+        shares = session.scalars(
+            select(EngineChunkBatch).where(EngineChunkBatch.batch_id == batch_id)
+        ).all()
+        chunks = session.scalars(
+            select(EngineChunk).where(EngineChunk.id.in_([s.chunk_id for s in shares]))
+        ).all()
+    assert sum(s.requests for s in shares) == 9  # the 400 line used no engine time
+    assert sum(s.prompt_tokens for s in shares) == batch.usage.input_tokens
+    assert sum(s.completion_tokens for s in shares) == batch.usage.output_tokens
+    assert all(c.busy_seconds >= 0 and c.model == MODEL for c in chunks)
 
 
 def test_finalize_is_idempotent(settings: Settings, tenant_sdk: tuple[str, OpenAI]) -> None:

@@ -24,7 +24,9 @@ from offpeak.ids import now
 from offpeak.settings import Settings
 from storage.db import session_scope
 from storage.repositories import batches as batches_repo
+from storage.repositories import chunks as chunks_repo
 from storage.repositories import requests as requests_repo
+from storage.repositories.chunks import BatchTokens
 from storage.repositories.requests import ClaimedRequest
 from workers import serving
 from workers.engine.base import Engine, EngineResult
@@ -48,7 +50,12 @@ class DrainStats:
 
 
 class Runner:
-    """Runs one model's pending request lines on ``engine`` until none are left."""
+    """Runs one model's pending request lines on ``engine`` until none are left.
+
+    Accounting: seconds spent in ``engine.step()`` accumulate until a flush in which some request
+    finished; that flush records an engine chunk (busy seconds + the finished requests' tokens per
+    batch) in the same transaction as the results, so each second is recorded exactly once.
+    """
 
     def __init__(
         self,
@@ -56,12 +63,16 @@ class Runner:
         engine: Engine,
         owner: str,
         on_batch_touched: Callable[[str], None],
+        device: str = "cpu",
     ) -> None:
         self.settings = settings
         self.engine = engine
         self.owner = owner
         self.on_batch_touched = on_batch_touched
+        self.device = device
         self.url = settings.resolved_database_url
+        self._busy_seconds = 0.0
+        self._period_started = time.time()
 
     def drain(self) -> DrainStats:
         """Claim and run chunks until the model has no runnable line left."""
@@ -107,7 +118,10 @@ class Runner:
         try:
             last_flush = time.monotonic()
             while self.engine.num_unfinished():
-                for result in self.engine.step():
+                step_started = time.perf_counter()
+                finished = self.engine.step()
+                self._busy_seconds += time.perf_counter() - step_started
+                for result in finished:
                     row, prepared = in_flight.pop(result.request_id)
                     results.append(_succeeded(row, prepared, result, created))
                     stats.requests += 1
@@ -136,12 +150,33 @@ class Runner:
         """Write finished results, renew leases, and return the batches whose lines must stop
         (``batch_id → "cancelled" | "expired"``). Empties ``results``."""
         at = time.time()
+        per_batch: dict[str, BatchTokens] = {}
+        for r in results:
+            if r["status"] == "succeeded":
+                tokens = per_batch.setdefault(r["batch_id"], BatchTokens())
+                tokens.requests += 1
+                tokens.prompt_tokens += r["prompt_tokens"]
+                tokens.cached_tokens += r["cached_tokens"]
+                tokens.completion_tokens += r["completion_tokens"]
         with session_scope(self.url) as session:
             requests_repo.write_results(session, self.owner, results)
+            if per_batch:
+                chunks_repo.record(
+                    session,
+                    worker_id=self.owner,
+                    model=self.engine.model_name,
+                    device=self.device,
+                    started_at=self._period_started,
+                    ended_at=at,
+                    busy_seconds=self._busy_seconds,
+                    per_batch=per_batch,
+                )
             if results:
                 batches_repo.refresh_counts(session, {r["batch_id"] for r in results})
             requests_repo.renew_leases(session, self.owner, at + self.settings.lease_seconds)
             states = batches_repo.statuses(session, batch_ids)
+        if per_batch:  # only now: a failed transaction keeps the seconds for the next flush
+            self._busy_seconds, self._period_started = 0.0, at
         results.clear()
         stopped = {}
         for batch_id, (status, expires_at) in states.items():

@@ -34,7 +34,7 @@ def drain_model(model: str) -> None:
     settings = get_settings()
     engine = registry.load(settings, model)
     touched: set[str] = set()
-    runner = Runner(settings, engine, worker_id(), touched.add)
+    runner = Runner(settings, engine, worker_id(), touched.add, device=registry.device_name())
     stats = runner.drain()
     for batch_id in touched:
         queues.send_finalize(settings, batch_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import lru_cache
 
 from offpeak.settings import Settings
 from workers.engine.base import Engine
@@ -35,6 +36,14 @@ def load(settings: Settings, name: str) -> Engine:
     log.info("engine for %s ready in %.1f s", name, time.perf_counter() - started)
     _engines[name] = engine
     return engine
+
+
+@lru_cache(maxsize=1)
+def device_name() -> str:
+    """``cpu`` or the first GPU's name (imports torch once; seconds)."""
+    from workers.calibration import current_device
+
+    return current_device()
 
 
 def loaded() -> dict[str, Engine]:

@@ -1,0 +1,70 @@
+"""Engine chunks: the accounting periods of engine time and the batches that finished in them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sqlalchemy import insert
+from sqlalchemy.orm import Session
+
+from storage.models import EngineChunk, EngineChunkBatch
+
+
+@dataclass
+class BatchTokens:
+    """Tokens of one batch's requests that finished in a chunk."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def record(
+    session: Session,
+    *,
+    worker_id: str,
+    model: str,
+    device: str,
+    started_at: float,
+    ended_at: float,
+    busy_seconds: float,
+    per_batch: Mapping[str, BatchTokens],
+) -> int:
+    """Insert one chunk and its per-batch rows; returns the chunk id."""
+    totals = BatchTokens()
+    for tokens in per_batch.values():
+        totals.requests += tokens.requests
+        totals.prompt_tokens += tokens.prompt_tokens
+        totals.cached_tokens += tokens.cached_tokens
+        totals.completion_tokens += tokens.completion_tokens
+    chunk = EngineChunk(
+        worker_id=worker_id,
+        model=model,
+        device=device,
+        started_at=started_at,
+        ended_at=ended_at,
+        busy_seconds=busy_seconds,
+        requests=totals.requests,
+        prompt_tokens=totals.prompt_tokens,
+        cached_tokens=totals.cached_tokens,
+        completion_tokens=totals.completion_tokens,
+    )
+    session.add(chunk)
+    session.flush()
+    session.execute(
+        insert(EngineChunkBatch),
+        [
+            {
+                "chunk_id": chunk.id,
+                "batch_id": batch_id,
+                "requests": t.requests,
+                "prompt_tokens": t.prompt_tokens,
+                "cached_tokens": t.cached_tokens,
+                "completion_tokens": t.completion_tokens,
+            }
+            for batch_id, t in per_batch.items()
+        ],
+    )
+    return chunk.id
