@@ -1,4 +1,4 @@
-"""The Celery app workers run (``celery -A workers.celery_app worker``) with the tasks registered."""
+"""The Celery app workers run (``celery -A workers.celery_app worker``), tasks registered."""
 
 from __future__ import annotations
 

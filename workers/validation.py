@@ -199,8 +199,8 @@ def validate_into_rows(
             outcome.errors.append(
                 wire.batch_error(
                     wire.TOO_MANY_REQUESTS,
-                    f"The file holds more than {settings.max_requests_per_batch} requests, the limit "
-                    "for one batch; split it into several batches.",
+                    f"The file holds more than {settings.max_requests_per_batch} requests, "
+                    "the limit for one batch; split it into several batches.",
                     number,
                 )
             )
