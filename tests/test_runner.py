@@ -248,3 +248,20 @@ def test_concurrent_claims_are_disjoint(settings: Settings, tenant_sdk: tuple[st
         t.join()
     every = [i for ids in claimed.values() for i in ids]
     assert len(every) == len(set(every)) == 300
+
+
+def test_sweep_finds_batches_whose_finalize_was_lost(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI]
+) -> None:
+    from storage.repositories import batches as batches_repo
+
+    tenant, _ = tenant_sdk
+    batch_id = make(settings, tenant, [line("r0", model=MODEL)])
+    with session_scope(settings.resolved_database_url) as session:
+        assert batch_id not in batches_repo.finished_but_running(session)  # a line is pending
+    runner(settings, InstantEngine(MODEL)).drain()  # ... and its finalize message is lost
+    with session_scope(settings.resolved_database_url) as session:
+        assert batch_id in batches_repo.finished_but_running(session)
+    finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    with session_scope(settings.resolved_database_url) as session:
+        assert batch_id not in batches_repo.finished_but_running(session)

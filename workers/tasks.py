@@ -69,6 +69,7 @@ def sweep() -> None:
         expired = batches_repo.expired_ids(session, at)
         cancelling = batches_repo.ids_in_status(session, "cancelling")
         finalizing = batches_repo.ids_in_status(session, "finalizing")
+        finalizing += batches_repo.finished_but_running(session)
         validating = batches_repo.ids_in_status(session, "validating")
         models = batches_repo.active_models(session)
     for batch_id in {*expired, *cancelling, *finalizing}:

@@ -229,7 +229,9 @@ def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str |
     run, else ``None``. Idempotent: a batch no longer ``validating`` is left alone."""
     url = settings.resolved_database_url
     with session_scope(url) as session:
-        batch = batches_repo.get_for_update(session, batch_id)
+        # skip_locked: a batch locked by another validation is being validated already (the
+        # sweep re-sends validations), and waiting would tie up a control worker thread.
+        batch = batches_repo.get_for_update(session, batch_id, skip_locked=True)
         if batch is None or batch.status != "validating":
             return None
         file = files_repo.get_any(session, batch.input_file_id)

@@ -23,9 +23,11 @@ def get(session: Session, tenant_id: str, batch_id: str) -> Batch | None:
     return session.scalar(select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id))
 
 
-def get_for_update(session: Session, batch_id: str) -> Batch | None:
-    """The batch, row-locked until the transaction ends (tasks serialize on it)."""
-    return session.scalar(select(Batch).where(Batch.id == batch_id).with_for_update())
+def get_for_update(session: Session, batch_id: str, skip_locked: bool = False) -> Batch | None:
+    """The batch, row-locked until the transaction ends (tasks serialize on it). With
+    ``skip_locked``, ``None`` when another transaction holds the lock."""
+    query = select(Batch).where(Batch.id == batch_id)
+    return session.scalar(query.with_for_update(skip_locked=skip_locked))
 
 
 def get_any(session: Session, batch_id: str) -> Batch | None:
@@ -98,6 +100,15 @@ def active_models(session: Session) -> list[str]:
         .distinct()
     )
     return [m for m in rows if m]
+
+
+def finished_but_running(session: Session) -> list[str]:
+    """``in_progress`` batches with no line left to run: their finalize message was lost."""
+    open_lines = select(RequestLine.id).where(
+        RequestLine.batch_id == Batch.id, RequestLine.status.in_(("pending", "running"))
+    )
+    query = select(Batch.id).where(Batch.status == "in_progress", ~open_lines.exists())
+    return list(session.scalars(query))
 
 
 def ids_in_status(session: Session, status: str) -> list[str]:
