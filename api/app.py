@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api.errors import install_error_handlers
-from api.routes import batches, files, models
+from api.routes import admin, batches, dashboard, files, metrics, models, usage
 from api.services import keys
 from offpeak import __version__
 from offpeak.settings import Settings, get_settings
@@ -32,4 +32,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(models.router)
+    app.include_router(admin.router)
+    app.include_router(usage.router)
+    app.include_router(metrics.router)
+    app.include_router(dashboard.router)
     return app

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from offpeak.pricing import Bill
 from storage.models import Batch, File
 
 
@@ -104,9 +105,23 @@ class BatchObject(BaseModel):
     request_counts: RequestCounts
     usage: BatchUsage
     metadata: dict[str, str] | None
+    # Offpeak's additions (extra fields, which the openai SDK keeps), in US dollars: engine
+    # seconds attributed to the batch, our cost, the price billed, the real-time list price of
+    # the same tokens and the saving. Live estimates until ``billed_at`` is set (offpeak.pricing).
+    gpu_seconds: float | None = None
+    cost: float | None = None
+    price: float | None = None
+    cost_per_million_tokens: float | None = None
+    realtime_price: float | None = None
+    saving: float | None = None
+    billed_at: int | None = None
+    # The scheduler's estimate while the batch runs (docs/scheduling.md): seconds to spare between
+    # the estimated completion time (unix seconds) and ``expires_at``; negative means late.
+    slack_seconds: float | None = None
+    estimated_completion_at: int | None = None
 
     @classmethod
-    def of(cls, batch: Batch) -> BatchObject:
+    def of(cls, batch: Batch, bill: Bill | None = None) -> BatchObject:
         errors = (
             BatchErrors(data=[BatchErrorEntry(**e) for e in batch.errors]) if batch.errors else None
         )
@@ -140,7 +155,23 @@ class BatchObject(BaseModel):
                 total_tokens=batch.input_tokens + batch.output_tokens,
             ),
             metadata=batch.metadata_,
+            **_bill_fields(bill),
+            **_schedule_fields(batch),
         )
+
+
+def _bill_fields(bill: Bill | None) -> dict[str, Any]:
+    if bill is None:
+        return {}
+    return {
+        "gpu_seconds": round(bill.gpu_seconds, 6),
+        "cost": bill.cost,
+        "price": bill.price,
+        "cost_per_million_tokens": bill.cost_per_million_tokens,
+        "realtime_price": bill.realtime_price,
+        "saving": bill.saving,
+        "billed_at": None if bill.billed_at is None else int(bill.billed_at),
+    }
 
 
 class BatchList(BaseModel):
@@ -173,3 +204,102 @@ class ModelObject(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelObject] = Field(default_factory=list)
+
+
+class UsageBucket(BaseModel):
+    """Billed usage of one group: a model, a UTC day (``day`` as YYYY-MM-DD, ``start_time`` its
+    first unix second), or everything. Amounts in US dollars."""
+
+    object: Literal["usage.bucket"] = "usage.bucket"
+    model: str | None = None
+    day: str | None = None
+    start_time: int | None = None
+    batches: int
+    requests: int
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    total_tokens: int
+    gpu_seconds: float
+    cost: float
+    price: float
+    realtime_price: float
+    saving: float
+
+
+class UsageReport(BaseModel):
+    """``GET /v1/usage``: the tenant's billed batches that ended in ``[start, end)``."""
+
+    object: Literal["list"] = "list"
+    start: int
+    end: int
+    group_by: str | None
+    currency: Literal["usd"] = "usd"
+    data: list[UsageBucket]
+    total: UsageBucket
+
+
+def _schedule_fields(batch: Batch) -> dict[str, Any]:
+    """``slack_seconds`` and ``estimated_completion_at`` of an ``in_progress`` batch that the
+    scheduler has estimated (``storage.models.Batch.estimated_completion_at``); none otherwise."""
+    eta = batch.estimated_completion_at
+    if batch.status != "in_progress" or eta is None:
+        return {}
+    return {"slack_seconds": round(batch.expires_at - eta, 1), "estimated_completion_at": int(eta)}
+
+
+# --- Admin: the scheduler's switch and view (``/v1/admin/scheduler``) --------------------------
+
+
+class PauseRequest(BaseModel):
+    """``pool``: a worker pool's name (``OFFPEAK_SCHEDULER__POOL``) or ``*`` for every pool."""
+
+    pool: str = "*"
+    #: Also stop urgent batches (their windows may then be missed).
+    hard: bool = False
+    reason: str | None = None
+
+
+class ResumeRequest(BaseModel):
+    pool: str = "*"
+
+
+class PauseSwitch(BaseModel):
+    object: Literal["scheduler.pause"] = "scheduler.pause"
+    pool: str
+    paused: bool
+    hard: bool
+    reason: str | None
+    #: Unix seconds.
+    updated_at: float | None
+
+
+class PoolLoad(BaseModel):
+    """A worker pool's last load reading (``load`` on the water-mark scale; ``None``: unread)."""
+
+    pool: str
+    load: float | None
+    gate_open: bool | None
+    paused: bool
+    parts: dict[str, float | None]
+    errors: dict[str, str]
+    worker: str | None
+    updated_at: float
+
+
+class BatchSchedule(BaseModel):
+    id: str
+    model: str | None
+    expires_at: int
+    estimated_completion_at: int | None
+    slack_seconds: float | None
+    #: Lines not finished yet.
+    remaining: int
+
+
+class SchedulerView(BaseModel):
+    object: Literal["scheduler"] = "scheduler"
+    switches: list[PauseSwitch]
+    pools: list[PoolLoad]
+    batches: list[BatchSchedule]
+

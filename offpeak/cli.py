@@ -11,7 +11,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from offpeak.cli_bench import bench_app
 from offpeak.cli_plan import calibrate_command, plan_app, simulate_app
+from offpeak.cli_sched import pause_command, resume_command, simulate_day_command
 from offpeak.settings import get_settings
 
 app = typer.Typer(help="Offpeak: the OpenAI Batch API on idle GPU time.", no_args_is_help=True)
@@ -19,6 +21,7 @@ keys_app = typer.Typer(help="API keys.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 app.add_typer(plan_app, name="plan")
 app.add_typer(simulate_app, name="simulate")
+app.add_typer(bench_app, name="bench")
 console = Console()
 
 
@@ -130,6 +133,10 @@ def worker(
         ]
     else:
         raise typer.BadParameter("role must be 'control' or 'engine'", param_hint="--role")
+    from workers import metrics as worker_metrics
+    from workers.runner import worker_id as this_worker
+
+    worker_metrics.start_server(settings, role, this_worker())  # OFFPEAK_METRICS_PORT; 0 = off
     celery_app.worker_main(argv)
 
 
@@ -187,6 +194,22 @@ def status(batch_id: str) -> None:
     client_tools.print_summary(_client().batches.retrieve(batch_id), console)
 
 
+@app.command("usage")
+def usage_command(
+    days: Annotated[int, typer.Option(help="Batches that ended in the last DAYS days.")] = 30,
+    group_by: Annotated[str, typer.Option(help="model, day or none.")] = "model",
+) -> None:
+    """What this key's tenant was billed: requests, tokens, GPU-seconds, cost, price, saving."""
+    import time
+
+    from offpeak import client_tools
+
+    end = int(time.time()) + 1
+    grouping = None if group_by == "none" else group_by
+    report = client_tools.usage(_client(), end - days * 86_400, end, grouping)
+    client_tools.print_usage(report, console)
+
+
 @app.command()
 def download(
     batch_id: str,
@@ -213,3 +236,6 @@ def demo(
 
 
 app.command("calibrate")(calibrate_command)
+app.command("pause")(pause_command)
+app.command("resume")(resume_command)
+simulate_app.command("day")(simulate_day_command)

@@ -11,7 +11,14 @@ import orjson
 from openai import OpenAI
 from openai.types import Batch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 ENDED = ("completed", "failed", "expired", "cancelled")
@@ -45,23 +52,30 @@ def submit(
 
 
 def wait_with_progress(client: OpenAI, batch_id: str, console: Console, poll: float = 1.0) -> Batch:
-    """Poll until the batch ends, with a progress bar of finished request lines."""
+    """Poll until the batch ends, with a progress bar of finished request lines, output
+    tokens/s since the first poll and the time left at the current pace (ETA)."""
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[detail]}"),
         TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
     )
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task(batch_id, total=None, detail="")
         started = time.monotonic()
+        first_tokens: int | None = None
         while True:
             batch = client.batches.retrieve(batch_id)
             counts = batch.request_counts
             done = (counts.completed + counts.failed) if counts else 0
             tokens = batch.usage.output_tokens if batch.usage else 0
-            rate = tokens / max(time.monotonic() - started, 1e-9)
+            # Tokens since the first poll: a batch already half done when we attach would
+            # otherwise show an inflated rate.
+            first_tokens = tokens if first_tokens is None else first_tokens
+            rate = (tokens - first_tokens) / max(time.monotonic() - started, 1e-9)
             progress.update(
                 task,
                 total=(counts.total or None) if counts else None,
@@ -96,10 +110,76 @@ def print_summary(batch: Batch, console: Console) -> None:
         ("output_file_id", batch.output_file_id),
         ("error_file_id", batch.error_file_id),
     ]
+    rows.extend(_money_rows(batch))
     for error in (batch.errors.data if batch.errors and batch.errors.data else [])[:10]:
         rows.append(("error", f"line {error.line}: {error.code}: {error.message}"))
     for key, value in rows:
         table.add_row(key, str(value) if value is not None else "-")
+    console.print(table)
+
+
+def _usd(amount: float | None) -> str | None:
+    if amount is None:
+        return None
+    return f"${amount:.2f}" if abs(amount) >= 1 else f"${amount:.6g}"
+
+
+def _money_rows(batch: Batch) -> list[tuple[str, Any]]:
+    """Offpeak's extra Batch fields (the SDK keeps them): GPU-seconds, cost, price, saving."""
+    extra = batch.model_extra or {}
+    if extra.get("gpu_seconds") is None:
+        return []
+    final = "billed" if extra.get("billed_at") else "estimate so far"
+    per_million = extra.get("cost_per_million_tokens")
+    return [
+        ("GPU-seconds", f"{extra['gpu_seconds']:.3f}"),
+        (
+            "cost",
+            f"{_usd(extra.get('cost'))} ({_usd(per_million) or '-'} per 1M tokens)",
+        ),
+        ("price", f"{_usd(extra.get('price'))} ({final})"),
+        (
+            "saving",
+            f"{_usd(extra.get('saving'))} vs {_usd(extra.get('realtime_price'))} real-time",
+        ),
+    ]
+
+
+def usage(
+    client: OpenAI, start: int | None, end: int | None, group_by: str | None
+) -> dict[str, Any]:
+    """``GET /v1/usage`` through the SDK's own HTTP client (same base URL, key and retries)."""
+    wanted: dict[str, object] = {"start": start, "end": end, "group_by": group_by}
+    params = {k: v for k, v in wanted.items() if v}
+    report = client.get("/usage", cast_to=object, options={"params": params})
+    assert isinstance(report, dict)
+    return report
+
+
+def print_usage(report: dict[str, Any], console: Console) -> None:
+    """The usage report as a table, one row per group and a total."""
+    group = report.get("group_by")
+    table = Table(title=f"usage ({report.get('currency', 'usd').upper()})")
+    columns = ["batches", "requests", "input tokens", "output tokens", "GPU-s", "cost", "price"]
+    for name in ([group] if group else []) + [*columns, "saving"]:
+        table.add_column(name, justify="left" if name == group else "right")
+
+    def cells(row: dict[str, Any]) -> list[str]:
+        return [
+            f"{row['batches']:,}",
+            f"{row['requests']:,}",
+            f"{row['input_tokens']:,}",
+            f"{row['output_tokens']:,}",
+            f"{row['gpu_seconds']:.2f}",
+            _usd(row["cost"]) or "-",
+            _usd(row["price"]) or "-",
+            _usd(row["saving"]) or "-",
+        ]
+
+    for row in report["data"]:
+        label = [str(row.get(group) or "-")] if group else []
+        table.add_row(*label, *cells(row))
+    table.add_row(*(["total"] if group else []), *cells(report["total"]), style="bold")
     console.print(table)
 
 

@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -63,6 +63,29 @@ class ModelConfig(BaseModel):
     engine_args: dict[str, object] = Field(default_factory=dict)
 
 
+class ModelPricing(BaseModel):
+    """What one model's tokens are worth and what its engine time costs, in US dollars.
+
+    List prices are the real-time (non-batch) prices per million tokens that the batch price is a
+    discount of; ``gpu_cost_per_hour`` maps a worker pool (an engine chunk's ``device``: ``cpu`` or
+    the GPU's name, or ``default``) to dollars per hour of engine time for this model and, where
+    it has a pool, overrides ``Settings.gpu_cost_per_hour``.
+    """
+
+    input_per_million: float = 0.0
+    #: Prompt tokens served from the prefix cache; ``None``: the input price.
+    cached_input_per_million: float | None = None
+    output_per_million: float = 0.0
+    #: Overrides ``Settings.batch_discount`` for this model (0.5 = half price).
+    batch_discount: float | None = None
+    gpu_cost_per_hour: dict[str, float] = Field(default_factory=dict)
+
+
+def _default_pricing() -> dict[str, ModelPricing]:
+    # Placeholders of the right order for a 135M model sold by a hosted API; set your own.
+    return {DEFAULT_MODEL: ModelPricing(input_per_million=0.10, output_per_million=0.20)}
+
+
 def _default_models() -> dict[str, ModelConfig]:
     return {
         DEFAULT_MODEL: ModelConfig(
@@ -76,6 +99,97 @@ def _default_models() -> dict[str, ModelConfig]:
             max_num_seqs=256,
         )
     }
+
+
+class PrometheusSignalConfig(BaseModel):
+    """Load from a real-time vLLM server's Prometheus ``/metrics``: ``Σ weight × value`` over the
+    named metrics (samples of one metric with several label sets are summed; ``*_perc`` gauges
+    take their largest sample). vLLM's names; the defaults put a KV cache 60% full, 6 requests
+    waiting or 60 running each at the default high-water mark."""
+
+    url: str = "http://127.0.0.1:8001/metrics"
+    weights: dict[str, float] = Field(
+        default_factory=lambda: {
+            "vllm:num_requests_running": 0.01,
+            "vllm:num_requests_waiting": 0.1,
+            "vllm:kv_cache_usage_perc": 1.0,
+        }
+    )
+    timeout_seconds: float = 2.0
+
+
+class NvmlSignalConfig(BaseModel):
+    """Load from NVML (``nvidia-ml-py``): GPU utilization and memory of processes other than this
+    worker, as fractions of the device, weighted and added."""
+
+    device_index: int = 0
+    utilization_weight: float = 1.0
+    memory_weight: float = 0.0
+
+
+class OffPeakScheduleConfig(BaseModel):
+    """Time-of-day windows in which batch work may run (load 0 inside, 1 outside).
+
+    Each window is ``"HH:MM-HH:MM"``, optionally after days: ``"sat-sun 00:00-24:00"``,
+    ``"mon-fri 22:00-06:00"`` (a window past midnight belongs to the day it starts on).
+    """
+
+    windows: list[str] = Field(default_factory=lambda: ["22:00-06:00"])
+    timezone: str = "UTC"
+
+
+class SchedulerSettings(BaseModel):
+    """How an engine worker pool shares its GPU with real-time serving (``docs/scheduling.md``).
+
+    Set per pool through the environment, e.g. ``OFFPEAK_SCHEDULER__LOAD_SIGNALS='["prometheus"]'``
+    and ``OFFPEAK_SCHEDULER__PROMETHEUS__URL=http://vllm-rt:8000/metrics``.
+    """
+
+    #: This worker pool's name: the admin switch can pause one pool (``offpeak pause --pool``).
+    pool: str = "default"
+    #: Load signals combined (the largest load wins); the admin pause switch always applies.
+    #: ``idle`` (none: a GPU dedicated to batch work), ``prometheus``, ``nvml``, ``schedule``.
+    load_signals: list[Literal["idle", "prometheus", "nvml", "schedule"]] = Field(
+        default_factory=lambda: ["idle"]
+    )
+    #: Hysteresis: batch work stops when the load reaches ``high_water`` and starts again only
+    #: once it has fallen to ``low_water``.
+    low_water: float = 0.3
+    high_water: float = 0.6
+    #: A signal that cannot be read counts as ``busy`` (yield: the safe side for real-time
+    #: traffic; urgent batches still run) or is ignored (``ignore``).
+    on_signal_error: Literal["busy", "ignore"] = "busy"
+    #: Seconds between load readings.
+    load_poll_seconds: float = 1.0
+    #: When the load rises mid-chunk: abort the running sequences of batches that are not urgent
+    #: (they go back to pending) rather than let them finish.
+    abort_on_yield: bool = True
+    #: A batch is urgent, and runs whatever the load, when its slack (time left before
+    #: ``expires_at`` minus the estimated time for its remaining tokens and those of batches due
+    #: before it) drops below ``urgent_margin_fraction × window + urgent_margin_seconds``.
+    urgent_margin_fraction: float = 0.1
+    urgent_margin_seconds: float = 0.0
+    #: Seconds between slack estimates (worker and sweep).
+    estimate_seconds: float = 5.0
+    #: Completion tokens assumed per request line before any line of the model has finished.
+    expected_completion_tokens: int = 256
+    #: Recent engine chunks whose tokens/s and tokens per line the slack uses (a worker's own
+    #: measurement comes first).
+    throughput_window_seconds: float = 6 * 3600.0
+    #: Request lines held per engine slot (running + waiting to join): the claim size is
+    #: ``slots × queue_depth`` minus what is held, at most ``chunk_size``.
+    queue_depth: float = 2.0
+    #: Fewest lines worth a claim round trip while lines are still running.
+    min_claim: int = 16
+    prometheus: PrometheusSignalConfig = Field(default_factory=PrometheusSignalConfig)
+    nvml: NvmlSignalConfig = Field(default_factory=NvmlSignalConfig)
+    schedule: OffPeakScheduleConfig = Field(default_factory=OffPeakScheduleConfig)
+
+    @model_validator(mode="after")
+    def _water_marks(self) -> SchedulerSettings:
+        if not 0 <= self.low_water <= self.high_water:
+            raise ValueError("need 0 <= low_water <= high_water")
+        return self
 
 
 class Settings(BaseSettings):
@@ -101,6 +215,9 @@ class Settings(BaseSettings):
     #: A key accepted for the tenant ``local`` (created on first use). Unset in production;
     #: ``offpeak demo`` sets it.
     local_api_key: str | None = None
+    #: The bearer key of the admin API (``/v1/admin/...``: pause, resume, scheduler state).
+    #: Unset: the admin API refuses every call (``offpeak pause`` works on the database).
+    admin_api_key: str | None = None
 
     # Limits: OpenAI's (https://platform.openai.com/docs/guides/batch, "Rate limits").
     max_file_bytes: int = 200 * 1024 * 1024
@@ -122,9 +239,39 @@ class Settings(BaseSettings):
     sweep_seconds: float = 10.0
     #: Comma-separated served model names this worker runs; empty means every configured model.
     worker_models: str = ""
+    #: The scheduler: load signals, hysteresis, deadlines (``docs/scheduling.md``).
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
 
     api_host: str = "127.0.0.1"
     api_port: int = 8000
+
+    # Accounting (``workers.accounting``): prices, and how engine time is split among batches.
+    #: Real-time list prices and GPU costs per served model; a model absent here lists at 0.
+    pricing: dict[str, ModelPricing] = Field(default_factory=_default_pricing)
+    #: Dollars per hour of engine time per worker pool (an engine chunk's ``device``: ``cpu`` or
+    #: the GPU's name); ``default`` applies to any other pool. Placeholders: a 2-vCPU cloud VM, a
+    #: rented data-centre GPU.
+    gpu_cost_per_hour: dict[str, float] = Field(
+        default_factory=lambda: {"cpu": 0.05, "default": 2.50}
+    )
+    #: The batch price is the list price times (1 - discount); OpenAI's Batch API: 50%.
+    batch_discount: float = 0.5
+    #: A chunk's seconds go to its batches in proportion to weighted tokens: uncached prompt
+    #: tokens x ``prefill_token_weight`` + cached prompt tokens x ``cached_token_weight`` +
+    #: completion tokens x ``decode_token_weight`` (see ``storage.repositories.ledger``).
+    prefill_token_weight: float = 0.25
+    cached_token_weight: float = 0.0
+    decode_token_weight: float = 1.0
+
+    # Metrics (``/metrics`` on the API; each worker's own server) and the dashboard.
+    #: Port of a worker's own Prometheus endpoint; 0 turns it off.
+    metrics_port: int = 0
+    #: Seconds over which tokens/s and the engine busy fraction are averaged.
+    metrics_window_seconds: float = 60.0
+    #: Seconds a computed ``/metrics`` answer is reused, so many scrapers cost one set of queries.
+    metrics_cache_seconds: float = 2.0
+    #: Hours of load-signal samples kept for the dashboard's chart.
+    load_history_hours: float = 24.0
 
     @field_validator("allowed_completion_windows")
     @classmethod

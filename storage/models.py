@@ -7,6 +7,7 @@ are float unix seconds. Relationships are ``lazy="raise"`` so a hidden lazy load
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import (
@@ -18,6 +19,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    Numeric,
     String,
     Text,
     UniqueConstraint,
@@ -117,6 +119,9 @@ class Batch(Base):
     input_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    #: The scheduler's estimate (unix seconds) of when the batch's last line will finish, refreshed
+    #: by the workers and the sweep; the API shows it and the slack ``expires_at`` minus it.
+    estimated_completion_at: Mapped[float | None] = mapped_column(Float)
 
     __table_args__ = (Index("ix_batches_tenant_id", "tenant_id", "id"),)
 
@@ -219,3 +224,58 @@ class SchedulerState(Base):
     key: Mapped[str] = mapped_column(String(128), primary_key=True)
     value: Mapped[dict[str, Any]] = mapped_column(JSONType)
     updated_at: Mapped[float] = mapped_column(Float)
+
+
+#: US dollars, to 1e-10 (a short request's share of a CPU-second is a few millionths of a cent).
+Money = Numeric(20, 10)
+
+
+class LedgerEntry(Base):
+    """One billing record, written once: ``key`` is unique (``batch:<id>`` for a batch's bill), so
+    a retried or repeated billing step inserts nothing the second time.
+
+    Amounts are frozen at billing time with the prices then in force. ``tenant_id`` and
+    ``batch_id`` carry no foreign key: a ledger outlives the rows it bills.
+    """
+
+    __tablename__ = "ledger_entries"
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
+    key: Mapped[str] = mapped_column(String(200), unique=True)
+    tenant_id: Mapped[str] = mapped_column(String(64))
+    batch_id: Mapped[str] = mapped_column(String(64), index=True)
+    model: Mapped[str | None] = mapped_column(String(200))
+    #: The batch's final status (completed, expired, cancelled, failed).
+    status: Mapped[str] = mapped_column(String(16))
+    #: The batch's ``created_at`` and the unix second it ended; usage is reported by ``ended_at``.
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    ended_at: Mapped[int] = mapped_column(BigInteger)
+    window_seconds: Mapped[int] = mapped_column(Integer)
+    billed_at: Mapped[float] = mapped_column(Float)
+    #: Request lines billed: those that finished with a response (not failed, expired, cancelled).
+    requests: Mapped[int] = mapped_column(Integer)
+    input_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
+    #: Engine seconds attributed to the batch (GPU-seconds on a GPU host).
+    gpu_seconds: Mapped[float] = mapped_column(Float)
+    #: Our cost of those seconds, the price billed (list x (1 - discount)) and the real-time list
+    #: price of the same tokens, in US dollars.
+    cost: Mapped[Decimal] = mapped_column(Money)
+    price: Mapped[Decimal] = mapped_column(Money)
+    realtime_price: Mapped[Decimal] = mapped_column(Money)
+
+    __table_args__ = (Index("ix_ledger_entries_tenant_ended", "tenant_id", "ended_at"),)
+
+
+class LoadSample(Base):
+    """A reading of the real-time load signal (``scheduler_state`` key ``load:<source>``), kept for
+    ``load_history_hours`` for the dashboard's chart."""
+
+    __tablename__ = "load_samples"
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
+    at: Mapped[float] = mapped_column(Float, index=True)
+    source: Mapped[str] = mapped_column(String(200))
+    load: Mapped[float] = mapped_column(Float)
+    paused: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import IO
 
 from sqlalchemy.orm import Session
 
@@ -20,6 +21,7 @@ from storage.models import Batch, File
 from storage.repositories import batches as batches_repo
 from storage.repositories import files as files_repo
 from storage.repositories import requests as requests_repo
+from workers import accounting
 
 log = logging.getLogger(__name__)
 
@@ -43,26 +45,52 @@ class Step:
     retry_in: float | None = None
 
 
+#: Bytes of output lines gathered before one write to the blob store.
+WRITE_BYTES = 1 << 20
+
+
+class _Buffered:
+    """Lines (without their newline) gathered into ``WRITE_BYTES`` writes; ``size`` counts every
+    byte written, newlines included."""
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        self.handle = handle
+        self.pending: list[bytes] = []
+        self.pending_bytes = 0
+        self.size = 0
+
+    def write(self, line: bytes) -> None:
+        self.pending.append(line)
+        self.pending_bytes += len(line) + 1
+        if self.pending_bytes >= WRITE_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.handle.write(b"\n".join(self.pending) + b"\n")
+            self.size += self.pending_bytes
+            self.pending, self.pending_bytes = [], 0
+
+
 def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
     """Stream the batch's rows into its output and error files (fixed blob keys, so a re-run
-    overwrites rather than adds) and record them."""
+    overwrites rather than adds) and record them. Lines are written in pieces of about
+    ``WRITE_BYTES``, not one by one."""
     out_key, err_key = f"outputs/{batch.id}/output.jsonl", f"outputs/{batch.id}/errors.jsonl"
-    out_bytes = err_bytes = 0
-    with blobs.writer(out_key) as out, blobs.writer(err_key) as err:
+    with blobs.writer(out_key) as out_file, blobs.writer(err_key) as err_file:
+        out, err = _Buffered(out_file), _Buffered(err_file)
         for custom_id, status, result in requests_repo.iter_finished(session, batch.id):
             if status == "succeeded":
-                line = result.encode() if result else b""
-                out.write(line + b"\n")
-                out_bytes += len(line) + 1
+                out.write(result.encode() if result else b"")
                 continue
             if status == "failed" and result:
-                line = result.encode()
+                err.write(result.encode())
             elif status in _NEVER_RAN:
-                line = wire.never_ran_line(custom_id, *_NEVER_RAN[status])
-            else:
-                continue  # pending/running rows do not exist once a batch is ending
-            err.write(line + b"\n")
-            err_bytes += len(line) + 1
+                err.write(wire.never_ran_line(custom_id, *_NEVER_RAN[status]))
+            # pending/running rows do not exist once a batch is ending
+        out.flush()
+        err.flush()
+    out_bytes, err_bytes = out.size, err.size
     created = now()
     for size, key, kind, attr in (
         (out_bytes, out_key, "output", "output_file_id"),
@@ -89,7 +117,7 @@ def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
         setattr(batch, attr, file.id)
 
 
-def finalize(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
+def _advance(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
     """Advance a batch towards its end, if it is ready; safe to call any number of times.
 
     - ``in_progress`` with every line finished → ``finalizing`` → ``completed``.
@@ -135,3 +163,16 @@ def finalize(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
             "batch %s %s: %d completed, %d failed", batch_id, target, batch.completed, batch.failed
         )
     return Step(done=True)
+
+
+def finalize(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
+    """``_advance``, then, once the batch has ended, its bill (``workers.accounting``).
+
+    Billing runs in its own transaction after the final status has committed: if it fails, the
+    batch stays ended and unbilled, and the sweep bills it later. Billed at most once, however
+    often this runs.
+    """
+    step = _advance(settings, blobs, batch_id)
+    if step.done:
+        accounting.bill_safely(settings, batch_id)
+    return step

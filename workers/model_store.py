@@ -79,7 +79,7 @@ def _folder_name(name: str) -> str:
 def _ensure_smollm2(name: str, cache_dir: Path) -> Path:
     target = cache_dir / _folder_name(name)
     if (target / MANIFEST).is_file():
-        logger.debug("model %s: converted folder %s already present", name, target)
+        logger.info("model %s: using converted folder %s", name, target)
         return target
     gguf = find_smollm2_gguf()
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -96,6 +96,10 @@ def _ensure_smollm2(name: str, cache_dir: Path) -> Path:
                 f"model {name!r}: {target} exists but was not made by Offpeak (no {MANIFEST}); "
                 f"remove it or set the model's 'path' to it"
             )
+        # Under the lock no one else converts this model: leftovers are from a killed conversion.
+        for stale in cache_dir.glob(f".{target.name}.*.tmp"):
+            logger.warning("removing %s, left by an interrupted conversion", stale)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=cache_dir))
         try:
             _convert_gguf(gguf, tmp)
@@ -151,7 +155,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     )
     # The weights are dequantized in memory, but the GGUF quantizer marker makes save_pretrained
     # refuse ("quantized with GGUF and is not serializable"); the saved folder is plain bf16.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # nn.Module's attribute typing
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out_dir)

@@ -1,38 +1,68 @@
-"""The batch runner: claims chunks of request lines for one model and keeps the engine full.
+"""The runner: the scheduler's loop around one model's engine.
 
-A chunk (``settings.chunk_size`` lines, across all batches of the model, earliest deadline
-first) is added to the engine at once, so continuous batching always has work; finished results
-go back to the database every ``settings.flush_seconds`` together with a lease heartbeat, and the
-same round trip tells the runner which batches were cancelled or ran out of time, whose lines it
-then aborts.
+Each turn of the loop it reads the load (``workers.scheduler.signals``, every
+``load_poll_seconds``) into the hysteresis gate, refreshes the batches' slack
+(``workers.scheduler.slack``, every ``estimate_seconds``), tops the engine up and steps it once.
+
+- **Claims** come in chunks sized from the engine's room (``workers.scheduler.dispatch``): the
+  runner holds ``slots × queue_depth`` lines, ``slots`` of them running and the rest queued here,
+  and claims the difference while the engine decodes, across all batches of the model, earliest
+  deadline first, with a lease. Each chunk is ordered so prompts that share a prefix run
+  together, and the sizing decision is logged before it runs.
+- **Yield**: while the gate is closed (load above high-water until it falls to low-water, an
+  admin pause, an unreadable signal) nothing new starts; when it closes mid-chunk, queued lines
+  go back to pending and, with ``abort_on_yield``, so do running sequences. Urgent batches
+  (slack below their margin) are exempt: they are claimed, admitted and kept whatever the load;
+  a hard pause stops them too.
+- **Write-back** every ``flush_seconds``: results, the engine time they took (an engine chunk),
+  a lease heartbeat, and the batches' statuses, which stop the lines of cancelled or expired
+  batches. A database outage only delays it: results wait in memory, and the lease check in
+  ``write_results`` keeps a line from being written twice if another worker took it over.
+
+Time comes from an injectable clock and lines from an injectable store, so ``offpeak simulate
+day`` drives this same code on a virtual clock.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from offpeak import wire
-from offpeak.ids import now
+from offpeak.ids import now as unix_now
 from offpeak.settings import Settings
-from storage.db import session_scope
-from storage.repositories import batches as batches_repo
-from storage.repositories import chunks as chunks_repo
-from storage.repositories import requests as requests_repo
 from storage.repositories.chunks import BatchTokens
 from storage.repositories.requests import ClaimedRequest
+from workers import metrics as worker_metrics
 from workers import serving
 from workers.engine.base import Engine, EngineResult
+from workers.planner import StepModel
+from workers.scheduler import metrics
+from workers.scheduler.clock import Clock, WallClock
+from workers.scheduler.dispatch import claim_size, engine_room, prefix_order, size_for
+from workers.scheduler.hysteresis import Gate
+from workers.scheduler.signals import LoadMonitor, build_signals
+from workers.scheduler.slack import Estimate, estimate, tokens_per_line, tokens_per_second
+from workers.scheduler.store import DbStore, Flush, WorkStore
 from workers.serving import LineError, Prepared
 
 log = logging.getLogger(__name__)
+
+#: Seconds of engine stepping over which the runner's own tokens/s is averaged, and the least
+#: it must have stepped before that rate is trusted.
+RATE_SECONDS = 300.0
+RATE_TRUSTED_AFTER = 30.0
+#: Errors that mean "the database is unreachable right now", not "this write is wrong".
+_DB_DOWN = (OperationalError, DBAPIError)
 
 
 def worker_id() -> str:
@@ -42,19 +72,45 @@ def worker_id() -> str:
 
 @dataclass
 class DrainStats:
+    """What one ``Runner.run`` did."""
+
+    #: Claims that returned lines.
     chunks: int = 0
     requests: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     completion_tokens: int = 0
+    #: Wall (or virtual) seconds of the run, and of them the seconds spent in ``engine.step``.
     seconds: float = 0.0
+    busy_seconds: float = 0.0
+    yields: int = 0
+    #: Running sequences aborted on a yield, and queued lines handed back unrun.
+    aborted: int = 0
+    released: int = 0
+    #: ``drained`` (nothing runnable left), ``yielded`` (load or a pause stopped it with work
+    #: left) or ``stopped`` (the caller's ``until``).
+    outcome: str = ""
+    touched: set[str] = field(default_factory=set)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """``cached_tokens / prompt_tokens`` of the requests that finished."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class _Held:
+    row: ClaimedRequest
+    prepared: Prepared
 
 
 class Runner:
-    """Runs one model's pending request lines on ``engine`` until none are left.
+    """Runs one model's batch work on ``engine`` under the scheduler's policy.
 
-    Accounting: seconds spent in ``engine.step()`` accumulate until a flush in which some request
-    finished; that flush records an engine chunk (busy seconds + the finished requests' tokens per
-    batch) in the same transaction as the results, so each second is recorded exactly once.
+    One runner per model per process, kept between drain tasks so the gate's hysteresis and the
+    urgent set survive. ``on_batch_touched(batch_id)`` is called for every batch whose lines it
+    finished or stopped (the caller sends their finalize). ``store``, ``clock`` and ``monitor``
+    default to the database, the wall clock and the pool's configured signals.
     """
 
     def __init__(
@@ -62,157 +118,525 @@ class Runner:
         settings: Settings,
         engine: Engine,
         owner: str,
-        on_batch_touched: Callable[[str], None],
+        on_batch_touched: Callable[[str], None] | None = None,
         device: str = "cpu",
+        *,
+        store: WorkStore | None = None,
+        clock: Clock | None = None,
+        monitor: LoadMonitor | None = None,
+        step_model: StepModel | None = None,
+        export_metrics: bool = True,
     ) -> None:
         self.settings = settings
+        #: Update this process's Prometheus metrics (off in the simulation: not this process's).
+        self.export_metrics = export_metrics
+        self.policy = settings.scheduler
         self.engine = engine
+        self.model = engine.model_name
         self.owner = owner
-        self.on_batch_touched = on_batch_touched
+        self.on_batch_touched = on_batch_touched or (lambda _batch_id: None)
         self.device = device
-        self.url = settings.resolved_database_url
+        self.store: WorkStore = store or DbStore(settings.resolved_database_url)
+        self.clock: Clock = clock or WallClock()
+        self.monitor = monitor or LoadMonitor(
+            build_signals(self.policy), pause=lambda: self.store.pause_state(self.policy.pool)
+        )
+        self.gate = Gate(self.policy.low_water, self.policy.high_water, self.policy.on_signal_error)
+        self.room = engine_room(engine, settings.models.get(self.model))
+        self.slots = self.room.max_num_seqs
+        #: Fallback throughput before any is measured: the calibrated or the seed's step model.
+        self.step_model = step_model or _calibrated(settings, self.model, device)
+        self._staged: deque[_Held] = deque()
+        self._in_flight: dict[str, _Held] = {}
+        self._results: list[dict[str, Any]] = []
+        #: Batches of lines held (a superset: cleared whenever nothing is held).
+        self._held_ids: set[str] = set()
+        self._urgent: set[str] = set()
+        #: Every batch that has been urgent in this process (the simulation reports it).
+        self.urgent_seen: set[str] = set()
+        self.estimates: dict[str, Estimate] = {}
+        self._next_load_at = -math.inf
+        self._next_estimate_at = -math.inf
+        self._next_claim_at = -math.inf
+        self._last_flush = self.clock.monotonic()
         self._busy_seconds = 0.0
-        self._period_started = time.time()
+        self._period_started = self.clock.time()
+        #: Tokens generated and seconds stepped, decayed over ``RATE_SECONDS`` of stepping.
+        self._rate_tokens = self._rate_seconds = 0.0
+        self._published_at = -math.inf
+        self._chunk_prompt = self._chunk_cached = 0
+        #: This process's totals, for the prefix-cache hit rate in logs and metrics.
+        self.lifetime = DrainStats()
+        self._stats = DrainStats()
+
+    # --- The loop -----------------------------------------------------------------------------
 
     def drain(self) -> DrainStats:
-        """Claim and run chunks until the model has no runnable line left."""
-        stats = DrainStats()
-        started = time.perf_counter()
-        while claimed := self._claim():
-            self.run_chunk(claimed, stats)
-            stats.chunks += 1
-        stats.seconds = time.perf_counter() - started
+        """Run until nothing admissible is left: the model's work is done, or the gate is
+        closed and no urgent line is runnable (the sweep sends another drain later)."""
+        return self.run()
+
+    def run(self, until: Callable[[], bool] | None = None) -> DrainStats:
+        """Run the loop. Without ``until`` it returns once the engine is empty and nothing
+        admissible can be claimed; with it, it waits (``clock.sleep``) for work or a lower load
+        until ``until()`` is true. Unfinished lines go back to pending if it raises."""
+        stats = self._stats = DrainStats()
+        started = self.clock.monotonic()
+        # A new drain acts on a fresh reading, not on the one that ended the last.
+        self._next_load_at = self._next_estimate_at = self._next_claim_at = -math.inf
+        looked_again = False
+        try:
+            while True:
+                at = self.clock.time()
+                self._observe(at)
+                self._top_up(at)
+                if self._in_flight:
+                    self._step()
+                    looked_again = False
+                    if self.clock.monotonic() - self._last_flush >= self.settings.flush_seconds:
+                        self._flush()
+                    continue
+                if self._next_claim_at > at and not looked_again:
+                    # The engine ran dry inside a claim back-off: one more look before idling.
+                    looked_again, self._next_claim_at = True, -math.inf
+                    continue
+                self._flush()
+                if until is None:
+                    break
+                if until():
+                    stats.outcome = "stopped"
+                    break
+                self.clock.sleep(self.policy.load_poll_seconds)
+            # Lines queued but not admissible (a hard pause) go back rather than wait out a lease.
+            self._release([h.row for h in self._staged], count_attempt=False)
+            self._staged.clear()
+        except BaseException:
+            self._give_back()
+            raise
+        stats.seconds = self.clock.monotonic() - started
+        if not stats.outcome:
+            stats.outcome = "drained" if self.gate.open else "yielded"
+        if stats.requests:
+            log.info(
+                "%s: %d requests in %d chunks, %d prompt (%.0f%% from the prefix cache) + %d "
+                "completion tokens in %.1f s (%.0f tok/s while stepping)",
+                self.model,
+                stats.requests,
+                stats.chunks,
+                stats.prompt_tokens,
+                100 * stats.prefix_hit_rate,
+                stats.completion_tokens,
+                stats.seconds,
+                stats.completion_tokens / max(stats.busy_seconds, 1e-9),
+            )
+        for batch_id in stats.touched:
+            self.on_batch_touched(batch_id)
         return stats
 
-    def _claim(self) -> list[ClaimedRequest]:
-        at = time.time()
-        with session_scope(self.url) as session:
-            return requests_repo.claim(
-                session,
-                model=self.engine.model_name,
-                limit=self.settings.chunk_size,
-                owner=self.owner,
-                lease_until=at + self.settings.lease_seconds,
-                at=at,
-            )
+    def _step(self) -> None:
+        running = min(len(self._in_flight), self.slots)
+        started = self.clock.monotonic()
+        finished = self.engine.step()
+        elapsed = self.clock.monotonic() - started
+        self._busy_seconds += elapsed
+        self._stats.busy_seconds += elapsed
+        # Every running sequence gains a token per step: the rate counts tokens of lines still
+        # running too, which finished-line counts miss right after the engine fills up.
+        keep = math.exp(-elapsed / RATE_SECONDS)
+        self._rate_tokens = self._rate_tokens * keep + running
+        self._rate_seconds = self._rate_seconds * keep + elapsed
+        created = unix_now()
+        for result in finished:
+            held = self._in_flight.pop(result.request_id, None)
+            if held is None:  # aborted in the same step it finished
+                continue
+            line = _succeeded(held.row, held.prepared, result, created, self.clock.time())
+            self._results.append(line)
+            self._count(line)
 
-    def run_chunk(self, claimed: list[ClaimedRequest], stats: DrainStats | None = None) -> None:
-        """Run ``claimed`` lines to the end (or until their batch is cancelled or expires)."""
-        stats = stats or DrainStats()
-        created = now()
-        in_flight: dict[str, tuple[ClaimedRequest, Prepared]] = {}
-        results: list[dict[str, Any]] = []
-        batch_ids = {row.batch_id for row in claimed}
+    def _count(self, line: dict[str, Any]) -> None:
+        for stats in (self._stats, self.lifetime):
+            stats.requests += 1
+            stats.prompt_tokens += line["prompt_tokens"]
+            stats.cached_tokens += line["cached_tokens"]
+            stats.completion_tokens += line["completion_tokens"]
+        self._chunk_prompt += line["prompt_tokens"]
+        self._chunk_cached += line["cached_tokens"]
+
+    # --- Load and deadlines -------------------------------------------------------------------
+
+    def _observe(self, at: float) -> None:
+        if at >= self._next_load_at:
+            self._next_load_at = at + self.policy.load_poll_seconds
+            was_open, was_hard = self.gate.open, self.gate.hard_paused
+            reading = self.monitor.read(at)
+            self.gate.update(reading)
+            if self.export_metrics:
+                metrics.observe_gate(self.policy.pool, reading, self.gate)
+            changed = was_open != self.gate.open or was_hard != self.gate.hard_paused
+            if changed or at - self._published_at >= self.policy.estimate_seconds:
+                self._publish(reading.as_json() | {"gate_open": self.gate.open}, at)
+            if (was_open and not self.gate.open) or (self.gate.hard_paused and not was_hard):
+                self._yield()
+        if at >= self._next_estimate_at:
+            self._next_estimate_at = at + self.policy.estimate_seconds
+            self._estimate(at)
+
+    def _publish(self, reading: dict[str, Any], at: float) -> None:
+        try:
+            self.store.publish_load(self.policy.pool, reading | {"worker": self.owner}, at)
+            self._published_at = at
+        except _DB_DOWN as exc:
+            log.warning("cannot publish the load reading: %s", exc)
+
+    def _estimate(self, at: float) -> None:
+        """Refresh every running batch's estimate; batches whose slack fell below their margin
+        join the urgent set (and stay in it until they end, so they do not flap)."""
+        try:
+            estimates = refresh_estimates(
+                self.store,
+                self.settings,
+                self.model,
+                at,
+                self.step_model,
+                self.slots,
+                local_rate=self.measured_tokens_per_second,
+            )
+        except _DB_DOWN as exc:
+            log.warning("cannot refresh the slack estimates: %s", exc)
+            return
+        ended = set(self.estimates) - {e.batch_id for e in estimates}
+        self.estimates = {e.batch_id: e for e in estimates}
+        self._urgent &= set(self.estimates)
+        for e in estimates:
+            if e.urgent and e.batch_id not in self._urgent:
+                self._urgent.add(e.batch_id)
+                self.urgent_seen.add(e.batch_id)
+                log.warning(
+                    "batch %s is urgent: %d lines (~%.0f tokens) left, slack %.0f s < margin "
+                    "%.0f s; it runs whatever the load",
+                    e.batch_id,
+                    e.remaining_lines,
+                    e.remaining_tokens,
+                    e.slack_seconds,
+                    e.margin_seconds,
+                )
+        if self.export_metrics:
+            metrics.observe_estimates(self.model, estimates, ended)
+
+    @property
+    def measured_tokens_per_second(self) -> float | None:
+        """Tokens/s this runner's engine generated recently, once it stepped long enough."""
+        if self._rate_seconds < RATE_TRUSTED_AFTER:
+            return None
+        return self._rate_tokens / self._rate_seconds
+
+    def _admissible(self, batch_id: str) -> bool:
+        if self.gate.hard_paused:
+            return False
+        return self.gate.open or batch_id in self._urgent
+
+    def _yield(self) -> None:
+        """The gate closed: hand back queued lines and, with ``abort_on_yield`` (always on a hard
+        pause), abort running ones, except urgent batches' (none on a hard pause)."""
+        keep = self._admissible
+        queued = [h for h in self._staged if not keep(h.row.batch_id)]
+        self._staged = deque(h for h in self._staged if keep(h.row.batch_id))
+        running: list[_Held] = []
+        if self.policy.abort_on_yield or self.gate.hard_paused:
+            running = [h for h in self._in_flight.values() if not keep(h.row.batch_id)]
+            self.engine.abort([h.prepared.request.request_id for h in running])
+            for h in running:
+                del self._in_flight[h.prepared.request.request_id]
+        self._stats.yields += 1
+        self.lifetime.yields += 1
+        if self.export_metrics:
+            metrics.YIELDS.labels(self.model).inc()
+            metrics.ABORTED.labels(self.model).inc(len(running))
+        if not queued and not running:
+            return
+        self._flush()  # what finished is written before its neighbours are handed back
+        rows = [h.row for h in (*queued, *running)]
+        self._release(rows, count_attempt=False)
+        self._stats.aborted += len(running)
+        self._stats.released += len(queued)
+        log.info(
+            "yielded: %d queued and %d running lines back to pending; %d running lines of "
+            "urgent batches continue",
+            len(queued),
+            len(running),
+            len(self._in_flight),
+        )
+
+    # --- Claims and admission -----------------------------------------------------------------
+
+    def _top_up(self, at: float) -> None:
+        may_claim = self.gate.open or (self._urgent and not self.gate.hard_paused)
+        if may_claim and at >= self._next_claim_at:
+            limit = claim_size(
+                self.slots,
+                len(self._staged) + len(self._in_flight),
+                self.policy.queue_depth,
+                self.settings.chunk_size,
+                self.policy.min_claim,
+            )
+            if limit:
+                claimed = self._claim(at, limit)
+                if len(claimed) < limit:
+                    # The model has no more runnable lines right now: look again later.
+                    self._next_claim_at = at + self.settings.flush_seconds
+                if claimed:
+                    self._accept(claimed)
+        self._admit()
+
+    def _claim(self, at: float, limit: int) -> list[ClaimedRequest]:
+        only = None if self.gate.open else set(self._urgent)
+        try:
+            return self.store.claim(
+                self.model, limit, self.owner, at, at + self.settings.lease_seconds, only
+            )
+        except _DB_DOWN as exc:
+            log.warning("claim failed, retrying: %s", exc)
+            self._next_claim_at = at + self.settings.flush_seconds
+            return []
+
+    def _accept(self, claimed: list[ClaimedRequest]) -> None:
+        """Prepare a claimed chunk, order it by shared prefix (urgent batches first), queue it,
+        and size the engine's slots for what is now held; the decision goes to the log."""
+        self._stats.chunks += 1
+        ready: list[_Held] = []
         for row in claimed:
+            self._stats.touched.add(row.batch_id)
             try:
                 line = orjson.loads(row.line_json)
                 prepared = serving.prepare(str(row.id), line["url"], line["body"], self.engine)
-                self.engine.add(prepared.request)
             except LineError as exc:
-                results.append(_failed(row, exc))
+                self._results.append(_failed(row, exc, self.clock.time()))
                 continue
-            except ValueError as exc:  # the engine refused the request itself
-                results.append(_failed(row, LineError(str(exc))))
-                continue
-            in_flight[prepared.request.request_id] = (row, prepared)
-        try:
-            last_flush = time.monotonic()
-            while self.engine.num_unfinished():
-                step_started = time.perf_counter()
-                finished = self.engine.step()
-                self._busy_seconds += time.perf_counter() - step_started
-                for result in finished:
-                    row, prepared = in_flight.pop(result.request_id)
-                    results.append(_succeeded(row, prepared, result, created))
-                    stats.requests += 1
-                    stats.prompt_tokens += result.prompt_tokens
-                    stats.completion_tokens += sum(len(c.token_ids) for c in result.completions)
-                if time.monotonic() - last_flush >= self.settings.flush_seconds:
-                    stopped = self._flush(results, batch_ids)
-                    self._stop_batches(stopped, in_flight, results)
-                    last_flush = time.monotonic()
-            self._flush(results, batch_ids)
-        except BaseException:
-            # The engine failed or the worker is shutting down: give unfinished lines back so
-            # they run again (here or on another worker) instead of waiting for the lease.
-            self.engine.abort(list(in_flight))
-            with session_scope(self.url) as session:
-                requests_repo.write_results(session, self.owner, results)
-                requests_repo.release(
-                    session, self.owner, [row.id for row, _ in in_flight.values()]
-                )
-                batches_repo.refresh_counts(session, batch_ids)
-            raise
-        for batch_id in batch_ids:
-            self.on_batch_touched(batch_id)
+            if row.batch_id in self._urgent:
+                prepared.request.priority = -1  # ahead of other batches' lines in the engine
+            ready.append(_Held(row, prepared))
+        ordered = prefix_order(ready, lambda h: h.prepared.request.prompt_token_ids)
+        ordered.sort(key=lambda h: h.row.batch_id not in self._urgent)  # stable
+        self._staged.extend(ordered)
+        needs = [
+            (len(h.prepared.request.prompt_token_ids), h.prepared.request.sampling.max_tokens)
+            for h in (*self._in_flight.values(), *self._staged)
+            for _ in range(h.prepared.request.sampling.n)
+        ]
+        if needs:
+            sizing = size_for(needs, self.room, self.engine.max_model_len)
+            self.slots = sizing.slots
+            if self.export_metrics:
+                metrics.SLOTS.labels(self.model).set(self.slots)
+        batches = {row.batch_id for row in claimed}
+        self._held_ids.update(batches)
+        hit = self._chunk_cached / self._chunk_prompt if self._chunk_prompt else None
+        log.info(
+            "%s: claimed %d lines of %d batch(es)%s; sizing: %s; prefix-cache hit rate %s since "
+            "the last chunk, %.0f%% since start",
+            self.model,
+            len(claimed),
+            len(batches),
+            f" ({len(batches & self._urgent)} urgent)" if batches & self._urgent else "",
+            sizing.explanation if needs else "nothing runnable",
+            "n/a" if hit is None else f"{100 * hit:.0f}%",
+            100 * self.lifetime.prefix_hit_rate,
+        )
+        if self.export_metrics:
+            metrics.observe_tokens(
+                self.model, self._chunk_prompt, self._chunk_cached, self.lifetime.prefix_hit_rate
+            )
+        self._chunk_prompt = self._chunk_cached = 0
 
-    def _flush(self, results: list[dict[str, Any]], batch_ids: set[str]) -> dict[str, str]:
-        """Write finished results, renew leases, and return the batches whose lines must stop
-        (``batch_id → "cancelled" | "expired"``). Empties ``results``."""
-        at = time.time()
+    def _admit(self) -> None:
+        """Feed queued lines to the engine: a little more than its slots, so the sequences that
+        finish in one step are replaced in the next."""
+        feed = self.slots + max(8, self.slots // 4)
+        while self._staged and len(self._in_flight) < feed:
+            if not self._admissible(self._staged[0].row.batch_id):
+                break
+            held = self._staged.popleft()
+            try:
+                self.engine.add(held.prepared.request)
+            except ValueError as exc:  # the engine refused the request itself
+                self._results.append(_failed(held.row, LineError(str(exc)), self.clock.time()))
+                continue
+            self._in_flight[held.prepared.request.request_id] = held
+
+    # --- Write-back ---------------------------------------------------------------------------
+
+    def _held_batches(self) -> set[str]:
+        if not self._staged and not self._in_flight:
+            self._held_ids.clear()
+        return set(self._held_ids)
+
+    def _flush(self) -> None:
+        """Write results and accounting, renew leases, and stop the lines of batches that were
+        cancelled or ran out of time. Keeps everything for the next try when the database is
+        unreachable."""
+        self._last_flush = self.clock.monotonic()
+        at = self.clock.time()
         per_batch: dict[str, BatchTokens] = {}
-        for r in results:
+        for r in self._results:
             if r["status"] == "succeeded":
                 tokens = per_batch.setdefault(r["batch_id"], BatchTokens())
                 tokens.requests += 1
                 tokens.prompt_tokens += r["prompt_tokens"]
                 tokens.cached_tokens += r["cached_tokens"]
                 tokens.completion_tokens += r["completion_tokens"]
-        with session_scope(self.url) as session:
-            requests_repo.write_results(session, self.owner, results)
-            if per_batch:
-                chunks_repo.record(
-                    session,
-                    worker_id=self.owner,
-                    model=self.engine.model_name,
-                    device=self.device,
-                    started_at=self._period_started,
-                    ended_at=at,
-                    busy_seconds=self._busy_seconds,
-                    per_batch=per_batch,
+        flush = Flush(
+            owner=self.owner,
+            model=self.model,
+            device=self.device,
+            at=at,
+            lease_until=at + self.settings.lease_seconds,
+            results=list(self._results),
+            per_batch=per_batch,
+            started_at=self._period_started,
+            busy_seconds=self._busy_seconds,
+            batch_ids=self._held_batches(),
+        )
+        if not flush.results and not flush.batch_ids:
+            return
+        try:
+            states = self.store.flush(flush)
+        except _DB_DOWN as exc:
+            log.warning(
+                "write-back failed, keeping %d results for the next: %s", len(flush.results), exc
+            )
+            return
+        if per_batch:  # the seconds went into a chunk; a failed flush keeps them for the next
+            if self.export_metrics:
+                worker_metrics.observe_flush(
+                    self.model,
+                    self._busy_seconds,
+                    sum(t.requests for t in per_batch.values()),
+                    sum(t.prompt_tokens for t in per_batch.values()),
+                    sum(t.cached_tokens for t in per_batch.values()),
+                    sum(t.completion_tokens for t in per_batch.values()),
                 )
-            if results:
-                batches_repo.refresh_counts(session, {r["batch_id"] for r in results})
-            requests_repo.renew_leases(session, self.owner, at + self.settings.lease_seconds)
-            states = batches_repo.statuses(session, batch_ids)
-        if per_batch:  # only now: a failed transaction keeps the seconds for the next flush
             self._busy_seconds, self._period_started = 0.0, at
-        results.clear()
+        del self._results[: len(flush.results)]
         stopped = {}
         for batch_id, (status, expires_at) in states.items():
-            if status == "cancelling":
+            if status in ("cancelling", "cancelled"):
                 stopped[batch_id] = "cancelled"
-            elif expires_at <= at:
+            elif status == "expired" or (status == "in_progress" and expires_at <= at):
                 stopped[batch_id] = "expired"
-        return stopped
+        if stopped:
+            self._stop_batches(stopped, at)
 
-    def _stop_batches(
-        self,
-        stopped: dict[str, str],
-        in_flight: dict[str, tuple[ClaimedRequest, Prepared]],
-        results: list[dict[str, Any]],
-    ) -> None:
-        if not stopped:
+    def _stop_batches(self, stopped: dict[str, str], at: float) -> None:
+        doomed = [
+            h for h in (*self._staged, *self._in_flight.values()) if h.row.batch_id in stopped
+        ]
+        self._held_ids -= set(stopped)
+        if not doomed:
             return
-        doomed = [rid for rid, (row, _) in in_flight.items() if row.batch_id in stopped]
-        self.engine.abort(doomed)
-        for request_id in doomed:
-            row, _ = in_flight.pop(request_id)
-            results.append(
+        self.engine.abort([h.prepared.request.request_id for h in doomed])
+        for h in doomed:
+            self._in_flight.pop(h.prepared.request.request_id, None)
+        self._staged = deque(h for h in self._staged if h.row.batch_id not in stopped)
+        for h in doomed:
+            self._results.append(
                 {
-                    "id": row.id,
-                    "batch_id": row.batch_id,
-                    "status": stopped[row.batch_id],
-                    "finished_at": time.time(),
+                    "id": h.row.id,
+                    "batch_id": h.row.batch_id,
+                    "status": stopped[h.row.batch_id],
+                    "finished_at": at,
                 }
             )
-        for batch_id in stopped:
-            self.on_batch_touched(batch_id)
+        self._stats.touched.update(stopped)
         log.info("stopped %d lines of %s", len(doomed), ", ".join(sorted(stopped)))
+
+    def _release(self, rows: Iterable[ClaimedRequest], *, count_attempt: bool) -> None:
+        rows = list(rows)
+        if not rows:
+            return
+        try:
+            self.store.release(
+                self.owner,
+                [r.id for r in rows],
+                {r.batch_id for r in rows},
+                count_attempt=count_attempt,
+            )
+        except _DB_DOWN as exc:  # their leases run out instead
+            log.warning("cannot hand back %d lines (their leases will run out): %s", len(rows), exc)
+
+    def _give_back(self) -> None:
+        """The engine failed or the worker is shutting down: write what finished and hand the
+        rest back so it runs again (here or elsewhere) without waiting for the lease."""
+        running = list(self._in_flight.values())
+        queued = list(self._staged)
+        self.engine.abort([h.prepared.request.request_id for h in running])
+        self._in_flight.clear()
+        self._staged.clear()
+        try:
+            self._flush()
+        finally:
+            self._release([h.row for h in running], count_attempt=True)
+            self._release([h.row for h in queued], count_attempt=False)
+
+
+def refresh_estimates(
+    store: WorkStore,
+    settings: Settings,
+    model: str,
+    at: float,
+    step_model: StepModel,
+    slots: int,
+    local_rate: float | None = None,
+) -> list[Estimate]:
+    """Estimate every running batch of ``model`` at ``at`` and store the estimated completion
+    times (the API shows them). Used by the runner (with its own measured ``local_rate``,
+    tokens/s) and by the control worker's sweep."""
+    policy = settings.scheduler
+    backlog = store.backlog(model)
+    if not backlog:
+        return []
+    history = store.engine_history(model, at - policy.throughput_window_seconds)
+    workers = store.live_workers(
+        model, at - max(3 * settings.flush_seconds, settings.lease_seconds)
+    )
+    throughput = tokens_per_second(history, step_model, slots, workers, local_rate)
+    per_line = tokens_per_line(history, policy.expected_completion_tokens)
+    estimates = estimate(backlog, at, throughput, per_line, policy)
+    store.save_estimates({e.batch_id: e.estimated_completion_at for e in estimates})
+    return estimates
+
+
+def sweep_estimates(settings: Settings, models: Iterable[str], at: float) -> None:
+    """Refresh the estimates of every running batch of ``models`` (the control worker's sweep,
+    so slack keeps moving while no engine worker runs a model). Never raises: a failure is
+    logged and the next sweep tries again."""
+    store = DbStore(settings.resolved_database_url)
+    for model in models:
+        try:
+            since = at - settings.scheduler.throughput_window_seconds
+            device = store.engine_history(model, since).device or "cpu"
+            slots = settings.models[model].max_num_seqs if model in settings.models else 256
+            refresh_estimates(
+                store, settings, model, at, _calibrated(settings, model, device), slots
+            )
+        except Exception:
+            log.exception("cannot refresh the estimates of %s", model)
+
+
+def _calibrated(settings: Settings, model: str, device: str) -> StepModel:
+    """The step model ``offpeak calibrate`` stored for this model and device, else the seed's."""
+    from workers.calibration import load_calibration
+
+    try:
+        found = load_calibration(model, device, settings.model_cache_dir)
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring the calibration file: %s", exc)
+        found = None
+    return found or StepModel()
 
 
 def _succeeded(
-    row: ClaimedRequest, prepared: Prepared, result: EngineResult, created: int
+    row: ClaimedRequest, prepared: Prepared, result: EngineResult, created: int, at: float
 ) -> dict[str, Any]:
     body = serving.response_body(prepared, result, created)
     usage = body["usage"]
@@ -225,16 +649,16 @@ def _succeeded(
         "prompt_tokens": usage["prompt_tokens"],
         "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
         "completion_tokens": usage["completion_tokens"],
-        "finished_at": time.time(),
+        "finished_at": at,
     }
 
 
-def _failed(row: ClaimedRequest, error: LineError) -> dict[str, Any]:
+def _failed(row: ClaimedRequest, error: LineError, at: float) -> dict[str, Any]:
     return {
         "id": row.id,
         "batch_id": row.batch_id,
         "status": "failed",
         "status_code": error.status_code,
         "result": wire.response_line(row.custom_id, error.status_code, error.body()).decode(),
-        "finished_at": time.time(),
+        "finished_at": at,
     }

@@ -7,14 +7,15 @@ import logging
 import time
 
 from offpeak import queues
-from offpeak.settings import get_settings
+from offpeak.settings import Settings, get_settings
 from storage.blobs import get_blob_store
 from storage.db import session_scope
 from storage.repositories import batches as batches_repo
+from workers import accounting, metrics
 from workers.celery_app import app
 from workers.engine import registry
 from workers.finalize import finalize
-from workers.runner import Runner, worker_id
+from workers.runner import Runner, sweep_estimates, worker_id
 from workers.validation import run_validation
 
 log = logging.getLogger(__name__)
@@ -28,27 +29,30 @@ def validate_batch(batch_id: str) -> None:
         queues.send_drain(settings, model)
 
 
+#: One runner per served model in this process, kept between drain tasks: the gate's hysteresis,
+#: the urgent set and the engine sizing carry over from one drain to the next.
+_runners: dict[str, Runner] = {}
+
+
+def runner_for(settings: Settings, model: str) -> Runner:
+    """This process's runner for ``model``, built (and its engine loaded) on first use."""
+    if model not in _runners:
+        engine = registry.load(settings, model)
+        _runners[model] = Runner(settings, engine, worker_id(), device=registry.device_name())
+    return _runners[model]
+
+
 @app.task(name=queues.DRAIN_TASK)
 def drain_model(model: str) -> None:
-    """Run every runnable line of ``model``; the engine is loaded once per process."""
+    """Run ``model``'s batch work under the scheduler until nothing admissible is left: every
+    runnable line ran, or the load (or a pause) holds the rest back; the sweep sends another
+    drain every ``sweep_seconds`` while batches of the model are running."""
     settings = get_settings()
-    engine = registry.load(settings, model)
-    touched: set[str] = set()
-    runner = Runner(settings, engine, worker_id(), touched.add, device=registry.device_name())
-    stats = runner.drain()
-    for batch_id in touched:
+    stats = runner_for(settings, model).drain()
+    for batch_id in stats.touched:
         queues.send_finalize(settings, batch_id)
-    if stats.requests:
-        log.info(
-            "%s: %d requests in %d chunks, %d prompt + %d completion tokens in %.1f s (%.0f tok/s)",
-            model,
-            stats.requests,
-            stats.chunks,
-            stats.prompt_tokens,
-            stats.completion_tokens,
-            stats.seconds,
-            stats.completion_tokens / max(stats.seconds, 1e-9),
-        )
+    if stats.outcome == "yielded":
+        log.info("%s: batch work held back (%s)", model, _runners[model].gate.reason)
 
 
 @app.task(name=queues.FINALIZE_TASK)
@@ -79,3 +83,7 @@ def sweep() -> None:
     for model in models:
         if model in settings.models:
             queues.send_drain(settings, model)
+    # Estimates move on while no engine worker runs the model (load high, workers down).
+    sweep_estimates(settings, [m for m in models if m in settings.models], time.time())
+    accounting.bill_unbilled(settings)  # ended batches whose billing step failed or never ran
+    metrics.sample_load(settings)

@@ -27,8 +27,6 @@ from storage.repositories import requests as requests_repo
 
 log = logging.getLogger(__name__)
 
-#: Rows sent to the database per COPY.
-INSERT_CHUNK = 5000
 _BOM = b"\xef\xbb\xbf"
 _REQUIRED_BODY_FIELD = {wire.CHAT_COMPLETIONS: "messages", wire.COMPLETIONS: "prompt"}
 
@@ -180,47 +178,59 @@ def validate_into_rows(
 ) -> Outcome:
     """Check every line of the input file and insert one request row per valid line.
 
-    When the outcome has errors the caller must roll back: rows may already have been inserted.
+    Rows stream into one bulk insert (a ``COPY`` on PostgreSQL) while later lines are still being
+    checked, so the database stores rows while this process parses. After the first problem no
+    more rows are sent; when the outcome has errors the caller must roll back the rows already
+    inserted.
     """
-    checker = _Checker(batch.endpoint, set(settings.models), settings)
     outcome = Outcome()
-    rows: list[tuple[str, int, str, str, int, str]] = []
+    checker = _Checker(batch.endpoint, set(settings.models), settings)
+    requests_repo.bulk_insert(
+        session, _valid_rows(blobs, settings, batch, blob_key, checker, outcome)
+    )
+    if outcome.total == 0 and not outcome.errors:
+        outcome.errors.append(
+            wire.batch_error(wire.EMPTY_FILE, "The input file holds no request lines.")
+        )
+    outcome.model = checker.model
+    return outcome
+
+
+def _valid_rows(
+    blobs: BlobStore,
+    settings: Settings,
+    batch: Batch,
+    blob_key: str,
+    checker: _Checker,
+    outcome: Outcome,
+) -> Iterator[tuple[str, int, str, str, int, str]]:
+    """The request rows of the file's lines (``requests_repo.INTAKE_COLUMNS`` order), recording
+    problems and the request count in ``outcome``; yields nothing once a problem is found."""
+    batch_id, deadline = batch.id, batch.expires_at
+    max_errors, max_requests = settings.max_validation_errors, settings.max_requests_per_batch
     for number, raw in iter_lines(blobs.iter_chunks(blob_key)):
         if not raw.strip():
             continue  # blank and whitespace-only lines are allowed and skipped
         problem, custom_id = checker.check(number, raw)
         if problem is not None:
             outcome.errors.append(problem)
-            if len(outcome.errors) >= settings.max_validation_errors:
-                break
+            if len(outcome.errors) >= max_errors:
+                return
             continue
         outcome.total += 1
-        if outcome.total > settings.max_requests_per_batch:
+        if outcome.total > max_requests:
             outcome.errors.append(
                 wire.batch_error(
                     wire.TOO_MANY_REQUESTS,
-                    f"The file holds more than {settings.max_requests_per_batch} requests, "
-                    "the limit for one batch; split it into several batches.",
+                    f"The file holds more than {max_requests} requests, the limit "
+                    "for one batch; split it into several batches.",
                     number,
                 )
             )
-            break
+            return
         if not outcome.errors:
             assert checker.model is not None
-            rows.append(
-                (batch.id, number, custom_id, checker.model, batch.expires_at, raw.decode())
-            )
-            if len(rows) >= INSERT_CHUNK:
-                requests_repo.bulk_insert(session, rows)
-                rows.clear()
-    if outcome.total == 0 and not outcome.errors:
-        outcome.errors.append(
-            wire.batch_error(wire.EMPTY_FILE, "The input file holds no request lines.")
-        )
-    if not outcome.errors:
-        requests_repo.bulk_insert(session, rows)
-    outcome.model = checker.model
-    return outcome
+            yield (batch_id, number, custom_id, checker.model, deadline, raw.decode())
 
 
 def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str | None:

@@ -7,6 +7,7 @@ from fastapi import APIRouter
 from api.deps import CurrentTenant, SessionDep, SettingsDep
 from api.schemas import BatchList, BatchObject, CreateBatch
 from api.services import batches as batches_service
+from api.services import usage as usage_service
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
@@ -15,15 +16,21 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"])
 def create_batch(
     body: CreateBatch, session: SessionDep, settings: SettingsDep, tenant: CurrentTenant
 ) -> BatchObject:
-    return BatchObject.of(batches_service.create(session, settings, tenant.id, body))
+    batch = batches_service.create(session, settings, tenant.id, body)
+    return BatchObject.of(batch, usage_service.bill_of(session, settings, batch))
 
 
 @router.get("", response_model=BatchList)
 def list_batches(
-    session: SessionDep, tenant: CurrentTenant, after: str | None = None, limit: int = 20
+    session: SessionDep,
+    settings: SettingsDep,
+    tenant: CurrentTenant,
+    after: str | None = None,
+    limit: int = 20,
 ) -> BatchList:
     rows, has_more = batches_service.page(session, tenant.id, after=after, limit=limit)
-    data = [BatchObject.of(b) for b in rows]
+    bills = usage_service.bills(session, settings, rows)
+    data = [BatchObject.of(b, bills[b.id]) for b in rows]
     return BatchList(
         data=data,
         first_id=data[0].id if data else None,
@@ -33,12 +40,16 @@ def list_batches(
 
 
 @router.get("/{batch_id}", response_model=BatchObject)
-def retrieve_batch(session: SessionDep, tenant: CurrentTenant, batch_id: str) -> BatchObject:
-    return BatchObject.of(batches_service.get(session, tenant.id, batch_id))
+def retrieve_batch(
+    session: SessionDep, settings: SettingsDep, tenant: CurrentTenant, batch_id: str
+) -> BatchObject:
+    batch = batches_service.get(session, tenant.id, batch_id)
+    return BatchObject.of(batch, usage_service.bill_of(session, settings, batch))
 
 
 @router.post("/{batch_id}/cancel", response_model=BatchObject)
 def cancel_batch(
     session: SessionDep, settings: SettingsDep, tenant: CurrentTenant, batch_id: str
 ) -> BatchObject:
-    return BatchObject.of(batches_service.cancel(session, settings, tenant.id, batch_id))
+    batch = batches_service.cancel(session, settings, tenant.id, batch_id)
+    return BatchObject.of(batch, usage_service.bill_of(session, settings, batch))

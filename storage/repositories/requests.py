@@ -7,18 +7,31 @@ and that another worker may take over once it has run out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
-from sqlalchemy import bindparam, insert, or_, select, update
+from sqlalchemy import bindparam, insert, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from storage.db import is_postgres
 from storage.models import Batch, RequestLine
+from storage.repositories import batches as batches_repo
+from storage.repositories.batches import CountsDelta
 
 #: Columns written at intake, in COPY order.
 INTAKE_COLUMNS = ("batch_id", "line", "custom_id", "model", "deadline", "line_json")
+#: Rows per ``executemany`` outside PostgreSQL.
+INSERT_CHUNK = 5000
+#: The other columns' values at intake.
+_INTAKE_DEFAULTS = {
+    "status": "pending",
+    "prompt_tokens": 0,
+    "cached_tokens": 0,
+    "completion_tokens": 0,
+    "attempts": 0,
+}
 
 
 @dataclass(frozen=True)
@@ -30,36 +43,47 @@ class ClaimedRequest:
     attempts: int
 
 
-def bulk_insert(session: Session, rows: Sequence[tuple[str, int, str, str, int, str]]) -> None:
-    """Insert request rows (tuples in ``INTAKE_COLUMNS`` order) in one round trip: COPY on
-    PostgreSQL, one multi-row ``executemany`` elsewhere."""
-    if not rows:
-        return
+def bulk_insert(session: Session, rows: Iterable[tuple[str, int, str, str, int, str]]) -> int:
+    """Insert request rows (tuples in ``INTAKE_COLUMNS`` order); returns how many.
+
+    PostgreSQL: one ``COPY`` that consumes ``rows`` as they come, so a generator that validates
+    lines while the server stores the previous ones overlaps the two (one round trip, nothing held
+    in memory). Long ``line_json`` values are TOAST-compressed with lz4 when the server has it
+    (about 40% less server CPU than the default pglz on 2 kB lines; reads are unchanged).
+    Elsewhere: multi-row ``executemany`` in pieces of ``INSERT_CHUNK`` rows.
+    """
     if is_postgres(session):
-        raw = session.connection().connection.driver_connection
-        columns = ", ".join(INTAKE_COLUMNS)
-        extra = "status, prompt_tokens, cached_tokens, completion_tokens, attempts"
-        with (
-            raw.cursor() as cursor,
-            cursor.copy(f"COPY requests ({columns}, {extra}) FROM STDIN") as copy,
-        ):
-            for row in rows:
-                copy.write_row((*row, "pending", 0, 0, 0, 0))
-        return
-    session.execute(
-        insert(RequestLine),
-        [
-            dict(zip(INTAKE_COLUMNS, row, strict=True))
-            | {
-                "status": "pending",
-                "prompt_tokens": 0,
-                "cached_tokens": 0,
-                "completion_tokens": 0,
-                "attempts": 0,
-            }
-            for row in rows
-        ],
-    )
+        return _copy_rows(session, rows)
+    count = 0
+    iterator = iter(rows)
+    while piece := list(islice(iterator, INSERT_CHUNK)):
+        session.execute(insert(RequestLine), [_intake_values(row) for row in piece])
+        count += len(piece)
+    return count
+
+
+def _intake_values(row: tuple[str, int, str, str, int, str]) -> dict[str, Any]:
+    return dict(zip(INTAKE_COLUMNS, row, strict=True)) | _INTAKE_DEFAULTS
+
+
+def _copy_rows(session: Session, rows: Iterable[tuple[str, int, str, str, int, str]]) -> int:
+    connection = session.connection()
+    lz4 = connection.execute(
+        text(
+            "SELECT 'lz4' = ANY(enumvals) FROM pg_settings WHERE name = 'default_toast_compression'"
+        )
+    ).scalar()
+    if lz4:
+        connection.execute(text("SET LOCAL default_toast_compression = lz4"))
+    raw = connection.connection.driver_connection
+    columns = ", ".join((*INTAKE_COLUMNS, *_INTAKE_DEFAULTS))
+    defaults = tuple(_INTAKE_DEFAULTS.values())
+    count = 0
+    with raw.cursor() as cursor, cursor.copy(f"COPY requests ({columns}) FROM STDIN") as copy:
+        for row in rows:
+            copy.write_row(row + defaults)
+            count += 1
+    return count
 
 
 def claim(
@@ -70,10 +94,13 @@ def claim(
     owner: str,
     lease_until: float,
     at: float,
+    batch_ids: Collection[str] | None = None,
 ) -> list[ClaimedRequest]:
     """Take up to ``limit`` runnable request rows of ``model``, earliest deadline first: pending
     rows, and running rows whose lease ran out before ``at`` (their worker died). Rows of batches
-    not ``in_progress`` are left alone. Skips rows another transaction holds."""
+    not ``in_progress``, or whose window ended at ``at``, are left alone (the sweep expires them).
+    ``batch_ids``: only rows of these batches (the urgent ones while load is high). Skips rows
+    another transaction holds."""
     runnable = or_(
         RequestLine.status == "pending",
         (RequestLine.status == "running") & (RequestLine.lease_expires_at < at),
@@ -83,11 +110,16 @@ def claim(
         .where(
             RequestLine.model == model,
             runnable,
+            RequestLine.deadline > at,
             RequestLine.batch_id.in_(select(Batch.id).where(Batch.status == "in_progress")),
         )
         .order_by(RequestLine.deadline, RequestLine.id)
         .limit(limit)
     )
+    if batch_ids is not None:
+        if not batch_ids:
+            return []
+        picked = picked.where(RequestLine.batch_id.in_(list(batch_ids)))
     picked = picked.with_for_update(skip_locked=True, of=RequestLine)
     ids = list(session.scalars(picked))
     if not ids:
@@ -115,11 +147,20 @@ def claim(
 
 
 def write_results(session: Session, owner: str, results: Sequence[dict[str, Any]]) -> None:
-    """Store finished rows. Each dict: ``id``, ``status`` (succeeded/failed/cancelled),
-    ``status_code``, ``result`` (the output or error line), ``prompt_tokens``,
+    """Store finished rows. Each dict: ``id``, ``status`` (succeeded / failed / cancelled /
+    expired), ``status_code``, ``result`` (the output or error line), ``prompt_tokens``,
     ``cached_tokens``, ``completion_tokens``, ``finished_at``. Only rows this owner still holds
-    are written, so a worker whose lease was taken over cannot write a second result."""
+    are written, so a worker whose lease was taken over cannot write a second result.
+
+    PostgreSQL: one ``UPDATE … FROM unnest(arrays)`` whatever the number of rows, whose
+    ``RETURNING`` (the rows actually written) advances the batches' counters in the same
+    transaction (``batches.add_counts``). Elsewhere: an ``executemany``; ``refresh_counts``
+    recounts.
+    """
     if not results:
+        return
+    if is_postgres(session):
+        _write_results_unnest(session, owner, results)
         return
     statement = (
         update(RequestLine)
@@ -156,29 +197,87 @@ def write_results(session: Session, owner: str, results: Sequence[dict[str, Any]
     session.connection().execute(statement, params)
 
 
-def renew_leases(session: Session, owner: str, lease_until: float) -> None:
-    """Heartbeat: extend every running row this owner holds."""
-    session.execute(
+#: ``%b``: arrays travel in binary (psycopg escapes text arrays element by element in Python,
+#: 60x slower for a thousand results).
+_WRITE_RESULTS = """
+    UPDATE requests AS q
+    SET status = r.status, status_code = r.status_code, result = r.result,
+        prompt_tokens = r.prompt_tokens, cached_tokens = r.cached_tokens,
+        completion_tokens = r.completion_tokens, finished_at = r.finished_at,
+        lease_owner = NULL, lease_expires_at = NULL
+    FROM unnest(
+        %b::bigint[], %b::varchar[], %b::integer[], %b::text[], %b::integer[], %b::integer[],
+        %b::integer[], %b::double precision[]
+    ) AS r(id, status, status_code, result, prompt_tokens, cached_tokens, completion_tokens,
+           finished_at)
+    WHERE q.id = r.id AND q.lease_owner = %b AND q.status = 'running'
+    RETURNING q.batch_id, q.status, q.prompt_tokens, q.cached_tokens, q.completion_tokens
+"""
+
+
+def _write_results_unnest(session: Session, owner: str, results: Sequence[dict[str, Any]]) -> None:
+    columns = (
+        [r["id"] for r in results],
+        [r["status"] for r in results],
+        [r.get("status_code") for r in results],
+        [r.get("result") for r in results],
+        [r.get("prompt_tokens", 0) for r in results],
+        [r.get("cached_tokens", 0) for r in results],
+        [r.get("completion_tokens", 0) for r in results],
+        [r.get("finished_at") for r in results],
+    )
+    raw = session.connection().connection.driver_connection
+    with raw.cursor() as cursor:
+        # Never a prepared statement: a generic plan cannot see the arrays' length and may
+        # rescan the unnest once per row (quadratic); the custom plan hash-joins them.
+        cursor.execute(_WRITE_RESULTS, (*columns, owner), prepare=False)
+        written = cursor.fetchall()
+    deltas: dict[str, CountsDelta] = {}
+    for batch_id, status, prompt, cached, completion in written:
+        delta = deltas.setdefault(batch_id, CountsDelta())
+        if status == "succeeded":
+            delta.completed += 1
+        else:
+            delta.failed += 1
+        delta.input_tokens += prompt
+        delta.cached_tokens += cached
+        delta.output_tokens += completion
+    batches_repo.add_counts(session, deltas)
+
+
+def renew_leases(session: Session, owner: str, lease_until: float) -> int:
+    """Heartbeat: extend every running row this owner holds; returns how many it holds."""
+    result = session.execute(
         update(RequestLine)
         .where(RequestLine.lease_owner == owner, RequestLine.status == "running")
         .values(lease_expires_at=lease_until)
+        .execution_options(synchronize_session=False)
     )
+    return int(result.rowcount or 0)
 
 
-def release(session: Session, owner: str, ids: Iterable[int]) -> None:
-    """Give rows back to ``pending`` (they did not finish here and will run again)."""
+def release(session: Session, owner: str, ids: Iterable[int], *, count_attempt: bool = True) -> int:
+    """Give rows this owner holds back to ``pending`` (they did not finish here and will run
+    again); returns how many. ``count_attempt=False`` takes back the attempt their claim counted,
+    for rows handed back unrun or aborted on purpose (the scheduler yielding to real-time load),
+    so ``attempts`` keeps counting only runs that crashed or failed."""
     id_list = list(ids)
     if not id_list:
-        return
-    session.execute(
+        return 0
+    values: dict[str, Any] = {"status": "pending", "lease_owner": None, "lease_expires_at": None}
+    if not count_attempt:
+        values["attempts"] = RequestLine.attempts - 1
+    result = session.execute(
         update(RequestLine)
         .where(
             RequestLine.id.in_(id_list),
             RequestLine.lease_owner == owner,
             RequestLine.status == "running",
         )
-        .values(status="pending", lease_owner=None, lease_expires_at=None)
+        .values(**values)
+        .execution_options(synchronize_session=False)
     )
+    return int(result.rowcount or 0)
 
 
 def end_unfinished(session: Session, batch_id: str, status: str, at: float) -> int:
@@ -202,8 +301,22 @@ def end_unfinished(session: Session, batch_id: str, status: str, at: float) -> i
 def iter_finished(
     session: Session, batch_id: str, batch_size: int = 2000
 ) -> Iterator[tuple[str, str, str | None]]:
-    """``(custom_id, status, result)`` of every row of the batch in line order, streamed from a
-    server-side cursor so a 50,000-line batch is never in memory at once."""
+    """``(custom_id, status, result)`` of every row of the batch in line order, streamed so a
+    50,000-line batch is never in memory at once: one ``COPY … TO STDOUT`` on PostgreSQL (a
+    single round trip, rows parsed in C), a server-side cursor of ``batch_size`` rows elsewhere."""
+    if is_postgres(session):
+        raw = session.connection().connection.driver_connection
+        with (
+            raw.cursor() as cursor,
+            cursor.copy(
+                "COPY (SELECT custom_id, status, result FROM requests WHERE batch_id = %s "
+                "ORDER BY line) TO STDOUT",
+                [batch_id],
+            ) as copy,
+        ):
+            copy.set_types(["text", "text", "text"])
+            yield from copy.rows()
+        return
     query = (
         select(RequestLine.custom_id, RequestLine.status, RequestLine.result)
         .where(RequestLine.batch_id == batch_id)

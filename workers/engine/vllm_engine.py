@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from offpeak.settings import ModelConfig
 from workers.engine.base import (
@@ -44,6 +44,12 @@ logger = logging.getLogger(__name__)
 _FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
+class _InFlight(NamedTuple):
+    #: vLLM's own id for the request: ours plus a random suffix (for n > 1, the parent's).
+    internal_id: str
+    sampling: SamplingSpec
+
+
 class VllmEngine:
     """One model loaded in vLLM, driven by ``add`` / ``step`` / ``abort``.
 
@@ -56,9 +62,9 @@ class VllmEngine:
         self._tokenizer = llm.get_tokenizer()
         self.model_name = model_name
         self.max_model_len: int = llm.llm_engine.model_config.max_model_len
-        #: Requests added and neither finished nor aborted, with their sampling; ``step`` returns
+        #: Requests added and neither finished nor aborted, by our request id; ``step`` returns
         #: only these.
-        self._pending: dict[str, SamplingSpec] = {}
+        self._pending: dict[str, _InFlight] = {}
         self._bos_id: int | None = self._tokenizer.bos_token_id
         # Whether the tokenizer puts a BOS in front of plain text (SmolLM2's does not); chat ids
         # get one only if the tokenizer would add it and the template did not already write it.
@@ -69,7 +75,7 @@ class VllmEngine:
     def load(cls, name: str, config: ModelConfig, model_path: Path) -> VllmEngine:
         """Start vLLM on the Hugging Face folder ``model_path``, serving it as ``name``.
 
-        Takes 20-30 s for SmolLM2-135M on a 2-core CPU. ``config.engine_args`` are passed to
+        Takes 25-50 s for SmolLM2-135M on a 2-core CPU. ``config.engine_args`` are passed to
         ``vllm.LLM`` last, so they override every other field. If vLLM refuses chunked prefill,
         the engine is started again without it. Raises whatever vLLM raises for a model or
         setting it cannot load (e.g. ``gpu_memory_utilization`` more than the host can reserve).
@@ -129,9 +135,8 @@ class VllmEngine:
             raise ValueError("chat template did not render to text")
         # The template writes its special tokens as text; encoding it with the tokenizer's own
         # specials as well would put a second BOS in front (Llama 3 style templates).
-        ids: list[int] = self._tokenizer.encode(rendered, add_special_tokens=False)
-        if self._adds_bos and (not ids or ids[0] != self._bos_id):
-            assert self._bos_id is not None
+        ids = list(self._tokenizer.encode(rendered, add_special_tokens=False))
+        if self._adds_bos and self._bos_id is not None and (not ids or ids[0] != self._bos_id):
             ids.insert(0, self._bos_id)
         return ids
 
@@ -155,38 +160,52 @@ class VllmEngine:
         """
         if request.request_id in self._pending:
             raise ValueError(f"request {request.request_id!r} is already in the engine")
-        self._engine.add_request(
-            request.request_id,
-            _tokens_prompt(request.prompt_token_ids),
-            to_sampling_params(request.sampling),
-            priority=request.priority,
-        )
-        self._pending[request.request_id] = request.sampling
+        try:
+            internal_id = self._engine.add_request(
+                request.request_id,
+                _tokens_prompt(request.prompt_token_ids),
+                to_sampling_params(request.sampling),
+                priority=request.priority,
+            )
+        except _request_errors() as exc:
+            # vLLM 0.32 raises VLLMValidationError here, which is not a ValueError.
+            raise ValueError(str(exc)) from exc
+        # Releases before request-id randomization return None and use our id as it is.
+        internal_id = internal_id if isinstance(internal_id, str) else request.request_id
+        self._pending[request.request_id] = _InFlight(internal_id, request.sampling)
 
     def step(self) -> list[EngineResult]:
         """Run one engine step; return the requests that finished in it (all ``n`` completions)."""
         # Without work, LLMEngine.step would block waiting for output from the engine core.
         if not self._pending or not self._engine.has_unfinished_requests():
             return []
+        from vllm import outputs
+
         results = []
         for output in self._engine.step():
             # FINAL_ONLY outputs arrive once, when every one of the n samples is done; the id
             # check drops anything that raced an abort.
-            if not output.finished or output.request_id not in self._pending:
+            if not isinstance(output, outputs.RequestOutput) or not output.finished:
                 continue
-            spec = self._pending.pop(output.request_id)
-            results.append(self._to_result(output, spec))
+            if output.request_id not in self._pending:
+                continue
+            in_flight = self._pending.pop(output.request_id)
+            results.append(self._to_result(output, in_flight.sampling))
         return results
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests, queued or running; they return no result. Unknown ids are ignored."""
-        known = [rid for rid in request_ids if rid in self._pending]
-        if not known:
+        in_flight = [self._pending.pop(rid) for rid in request_ids if rid in self._pending]
+        if not in_flight:
             return
-        # External ids: vLLM maps each to its internal id(s), all n samples of a request included.
-        self._engine.abort_request(known)
-        for request_id in known:
-            del self._pending[request_id]
+        # By internal id: for n > 1 that is the parent, whose children vLLM aborts with it and
+        # whose bookkeeping it then drops (aborting by our id leaves the parent behind in
+        # vLLM 0.32's OutputProcessor.parent_requests, a small leak per cancelled request).
+        internal_ids = [entry.internal_id for entry in in_flight]
+        try:
+            self._engine.abort_request(internal_ids, internal=True)
+        except TypeError:  # older releases: no ``internal`` flag, and internal ids are ours
+            self._engine.abort_request(internal_ids)
 
     def num_unfinished(self) -> int:
         """Requests added and neither finished nor aborted."""
@@ -282,6 +301,14 @@ def to_sampling_params(spec: SamplingSpec) -> SamplingParams:
         # One RequestOutput per request, after all n samples finish: the runner never streams.
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
+
+
+def _request_errors() -> tuple[type[Exception], ...]:
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
 
 
 def _tokens_prompt(token_ids: list[int]) -> Any:

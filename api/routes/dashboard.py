@@ -1,0 +1,48 @@
+"""``/dashboard``: a page that shows the caller's batches, throughput and load, refreshing
+itself from ``/v1/dashboard``. The page and its scripts carry no data and need no key; the data
+endpoint takes the tenant's key like every ``/v1`` call."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import FileResponse
+
+from api.deps import CurrentTenant, SessionDep, SettingsDep
+from api.errors import BadRequest, NotFound
+from api.services import dashboard as dashboard_service
+
+router = APIRouter(tags=["dashboard"])
+STATIC = Path(__file__).resolve().parents[1] / "static"
+#: Files the page loads; Chart.js is vendored from its npm package (see api/static/README.md).
+ASSETS = {
+    "dashboard.js": "text/javascript",
+    "dashboard.css": "text/css",
+    "chart.umd.min.js": "text/javascript",
+}
+
+
+@router.get("/dashboard", include_in_schema=False)
+def page() -> FileResponse:
+    return FileResponse(STATIC / "dashboard.html", media_type="text/html")
+
+
+@router.get("/dashboard/static/{name}", include_in_schema=False)
+def asset(name: str) -> FileResponse:
+    if name not in ASSETS:
+        raise NotFound(f"No such file: {name}")
+    return FileResponse(STATIC / name, media_type=ASSETS[name])
+
+
+@router.get("/v1/dashboard")
+def dashboard_data(
+    session: SessionDep, settings: SettingsDep, tenant: CurrentTenant, hours: float = 3.0
+) -> dict[str, Any]:
+    """The page's data: latest batches with figures, per-model throughput, chart series."""
+    if not 0 < hours <= settings.load_history_hours:
+        raise BadRequest(
+            f"hours must be in (0, {settings.load_history_hours:g}].", param="hours"
+        )
+    return dashboard_service.data(session, settings, tenant.id, hours=hours)

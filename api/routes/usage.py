@@ -1,0 +1,25 @@
+"""``/v1/usage``: what the calling tenant was billed."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api.deps import CurrentTenant, SessionDep
+from api.schemas import UsageReport
+from api.services import usage as usage_service
+from api.services.usage import GroupBy
+
+router = APIRouter(tags=["usage"])
+
+
+@router.get("/v1/usage", response_model=UsageReport)
+def get_usage(
+    session: SessionDep,
+    tenant: CurrentTenant,
+    start: int | None = None,
+    end: int | None = None,
+    group_by: GroupBy | None = None,
+) -> UsageReport:
+    """Requests, tokens, GPU-seconds, cost and price of the tenant's batches that ended in
+    ``[start, end)`` (unix seconds), grouped by ``model`` or ``day`` (UTC)."""
+    return usage_service.report(session, tenant.id, start=start, end=end, group_by=group_by)

@@ -1,0 +1,105 @@
+"""The dashboard's data: the tenant's latest batches with their figures, throughput and queue per
+model, and the last hours of batch tokens/s against the real-time load signal."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from api.schemas import BatchObject
+from api.services import batches as batches_service
+from api.services import usage as usage_service
+from offpeak import pricing
+from offpeak.settings import Settings
+from storage.repositories import metrics as metrics_repo
+
+#: Points per series on the chart: a bucket is ``hours × 3600 / POINTS`` seconds (5 s to 1 h).
+POINTS = 180
+
+
+def bucket_seconds(hours: float) -> int:
+    return int(min(max(round(hours * 3600 / POINTS), 5), 3600))
+
+
+def _models(session: Session, settings: Settings, at: float) -> list[dict[str, Any]]:
+    window = settings.metrics_window_seconds
+    rows: dict[str, dict[str, Any]] = defaultdict(
+        lambda: {
+            "queued_requests": 0,
+            "running_requests": 0,
+            "prompt_tokens_per_second": 0.0,
+            "completion_tokens_per_second": 0.0,
+            "busy_ratio": 0.0,
+            "engines": 0,
+            "cost": 0.0,
+            "tokens": 0,
+        }
+    )
+    for model, status, count, _size in metrics_repo.queue_depth(session):
+        rows[model]["queued_requests" if status == "pending" else "running_requests"] += count
+    for engine in metrics_repo.engine_window(session, at - window):
+        row = rows[engine.model]
+        row["prompt_tokens_per_second"] += engine.prompt_tokens / window
+        row["completion_tokens_per_second"] += engine.completion_tokens / window
+        row["busy_ratio"] += min(engine.busy_seconds / window, 1.0)
+        row["engines"] += 1
+        rate = pricing.gpu_cost_per_hour(settings, engine.model, engine.device)
+        row["cost"] += engine.busy_seconds * rate / 3600
+        row["tokens"] += engine.prompt_tokens + engine.completion_tokens
+    out = []
+    for model, row in sorted(rows.items()):
+        engines, cost, tokens = row.pop("engines"), row.pop("cost"), row.pop("tokens")
+        row["busy_ratio"] = row["busy_ratio"] / engines if engines else 0.0
+        row["cost_per_million_tokens"] = cost / tokens * 1e6 if tokens else None
+        out.append({"model": model, **row})
+    return out
+
+
+def _series(session: Session, at: float, hours: float) -> dict[str, Any]:
+    step = bucket_seconds(hours)
+    since = at - hours * 3600
+    first = int(since // step) * step
+    times = list(range(first, int(at // step) * step + 1, step))
+    tokens: dict[str, dict[int, float]] = defaultdict(dict)
+    for bucket, model, _prompt, completion in metrics_repo.throughput_series(session, since, step):
+        tokens[model][bucket] = completion / step
+    load: dict[str, list[list[float]]] = defaultdict(list)
+    for sample_at, source, value, _paused in metrics_repo.load_series(session, since):
+        load[source].append([sample_at, value])
+    return {
+        "bucket_seconds": step,
+        "start": first,
+        "end": at,
+        "completion_tokens_per_second": {
+            model: [[t, by_time.get(t, 0.0)] for t in times]
+            for model, by_time in sorted(tokens.items())
+        },
+        "load": dict(sorted(load.items())),
+    }
+
+
+def data(
+    session: Session, settings: Settings, tenant_id: str, *, hours: float, limit: int = 20
+) -> dict[str, Any]:
+    """Everything the page shows, as JSON-ready values (amounts in US dollars)."""
+    at = time.time()
+    batches, _ = batches_service.page(session, tenant_id, after=None, limit=limit)
+    bills = usage_service.bills(session, settings, batches)
+    state = metrics_repo.scheduler_state(session)
+    load_now = {
+        key[len(metrics_repo.LOAD_PREFIX) :]: metrics_repo.load_of(value)
+        for key, value in sorted(state.items())
+        if key.startswith(metrics_repo.LOAD_PREFIX)
+    }
+    return {
+        "generated_at": at,
+        "window_seconds": settings.metrics_window_seconds,
+        "paused": sorted(pool for pool, on in metrics_repo.pauses(state).items() if on),
+        "load": load_now,
+        "batches": [BatchObject.of(b, bills[b.id]).model_dump() for b in batches],
+        "models": _models(session, settings, at),
+        "series": _series(session, at, hours),
+    }

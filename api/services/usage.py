@@ -1,0 +1,112 @@
+"""Money on the API side: each batch's figures (from its bill once billed, a live estimate
+before) and ``GET /v1/usage`` (sums of the tenant's bills)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Literal
+
+from sqlalchemy.orm import Session
+
+from api.errors import BadRequest
+from api.schemas import UsageBucket, UsageReport
+from offpeak import pricing
+from offpeak.pricing import Bill
+from offpeak.settings import Settings
+from storage.models import Batch, LedgerEntry
+from storage.repositories import ledger as ledger_repo
+from storage.repositories.ledger import UsageRow
+
+#: ``GET /v1/usage`` without ``start`` covers this many seconds before ``end``.
+DEFAULT_SPAN_SECONDS = 30 * 86_400
+GroupBy = Literal["model", "day"]
+
+
+def _from_entry(entry: LedgerEntry) -> Bill:
+    return Bill(
+        gpu_seconds=entry.gpu_seconds,
+        cost=float(entry.cost),
+        price=float(entry.price),
+        realtime_price=float(entry.realtime_price),
+        tokens=entry.input_tokens + entry.output_tokens,
+        billed_at=entry.billed_at,
+    )
+
+
+def bills(session: Session, settings: Settings, batches: Sequence[Batch]) -> dict[str, Bill]:
+    """``batch_id → Bill`` for these batches in two queries: the ledger's frozen figures for
+    billed batches, a live estimate at today's prices for the rest (running, or ended and not
+    billed yet)."""
+    entries = ledger_repo.entries_for(session, [b.id for b in batches])
+    live = [b.id for b in batches if b.id not in entries]
+    seconds = ledger_repo.attributed_seconds(session, live, pricing.token_weights(settings))
+    out: dict[str, Bill] = {}
+    for batch in batches:
+        entry = entries.get(batch.id)
+        out[batch.id] = (
+            _from_entry(entry)
+            if entry is not None
+            else pricing.bill(
+                settings,
+                batch.model,
+                seconds.get(batch.id, {}),
+                batch.input_tokens,
+                batch.cached_tokens,
+                batch.output_tokens,
+            )
+        )
+    return out
+
+
+def bill_of(session: Session, settings: Settings, batch: Batch) -> Bill:
+    return bills(session, settings, [batch])[batch.id]
+
+
+def _bucket(row: UsageRow) -> UsageBucket:
+    day = datetime.fromtimestamp(row.day, UTC).date().isoformat() if row.day is not None else None
+    cost, price, listed = float(row.cost), float(row.price), float(row.realtime_price)
+    return UsageBucket(
+        model=row.model,
+        day=day,
+        start_time=row.day,
+        batches=row.batches,
+        requests=row.requests,
+        input_tokens=row.input_tokens,
+        cached_tokens=row.cached_tokens,
+        output_tokens=row.output_tokens,
+        total_tokens=row.input_tokens + row.output_tokens,
+        gpu_seconds=round(row.gpu_seconds, 6),
+        cost=cost,
+        price=price,
+        realtime_price=listed,
+        saving=round(listed - price, pricing.MONEY_DIGITS),
+    )
+
+
+def report(
+    session: Session,
+    tenant_id: str,
+    *,
+    start: int | None,
+    end: int | None,
+    group_by: GroupBy | None,
+) -> UsageReport:
+    """The tenant's billed usage for batches that ended in ``[start, end)`` (unix seconds;
+    default: the 30 days up to now), grouped by model, by UTC day, or not at all, with a total.
+
+    Raises ``BadRequest`` when ``start`` is not before ``end``.
+    """
+    end = int(time.time()) + 1 if end is None else end
+    start = end - DEFAULT_SPAN_SECONDS if start is None else start
+    if start >= end:
+        raise BadRequest("start must be before end (unix seconds).", param="start")
+    rows = ledger_repo.usage(session, tenant_id, start, end, group_by)
+    totals = ledger_repo.usage(session, tenant_id, start, end, None)
+    nothing = UsageRow(None, None, 0, 0, 0, 0, 0, 0.0, Decimal(0), Decimal(0), Decimal(0))
+    total = _bucket(totals[0] if totals else nothing)
+    return UsageReport(
+        start=start, end=end, group_by=group_by, data=[_bucket(r) for r in rows], total=total
+    )

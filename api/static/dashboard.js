@@ -1,0 +1,217 @@
+// The Offpeak dashboard: polls /v1/dashboard with the tenant's key and redraws. No framework;
+// Chart.js (vendored, see README.md here) draws the load/throughput chart.
+"use strict";
+
+const params = new URLSearchParams(location.hash.slice(1));
+const HOURS = Number(params.get("hours")) || 3;
+const REFRESH_SECONDS = Number(params.get("refresh")) || 2;
+const PALETTE = ["#2563eb", "#16a34a", "#9333ea", "#0891b2", "#ca8a04", "#db2777"];
+const LOAD_PALETTE = ["#dc2626", "#ea580c", "#9f1239", "#78350f"];
+const ENDED = new Set(["completed", "failed", "expired", "cancelled"]);
+let chart = null;
+let timer = null;
+
+// The key comes from the URL fragment (never sent to the server) or the form, and is kept in
+// this tab's sessionStorage; it is then dropped from the address bar.
+if (params.get("key")) {
+  sessionStorage.setItem("offpeak-key", params.get("key"));
+  params.delete("key");
+  history.replaceState(null, "", location.pathname + (params.toString() ? "#" + params : ""));
+}
+
+const $ = (id) => document.getElementById(id);
+
+function money(x) {
+  if (x === null || x === undefined) return "–";
+  if (x === 0) return "$0";
+  return "$" + (Math.abs(x) >= 1 ? x.toFixed(2) : Number(x.toPrecision(3)).toString());
+}
+
+function num(x, digits = 0) {
+  if (x === null || x === undefined) return "–";
+  return Number(x).toLocaleString("en-US", { maximumFractionDigits: digits });
+}
+
+function clock(seconds, withSeconds) {
+  const options = { hour: "2-digit", minute: "2-digit", hour12: false };
+  if (withSeconds) options.second = "2-digit";
+  return new Date(seconds * 1000).toLocaleTimeString("en-GB", options);
+}
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v;
+    else if (k.startsWith("data-")) node.setAttribute(k, v);
+    else node[k] = v;
+  }
+  for (const child of children) node.append(child);
+  return node;
+}
+
+function showKeyForm(message) {
+  clearTimeout(timer);
+  $("content").hidden = true;
+  $("key-form").hidden = false;
+  $("state").textContent = "no key";
+  $("error").hidden = !message;
+  $("error").textContent = message || "";
+}
+
+function renderModels(models, windowSeconds) {
+  const box = $("models");
+  box.replaceChildren();
+  if (!models.length) box.append(el("p", { class: "muted", textContent: "No model has work." }));
+  for (const m of models) {
+    const rows = [
+      ["queued requests", num(m.queued_requests)],
+      ["running requests", num(m.running_requests)],
+      ["prompt tokens/s", num(m.prompt_tokens_per_second, 1)],
+      ["completion tokens/s", num(m.completion_tokens_per_second, 1)],
+      ["engine busy", num(100 * m.busy_ratio, 0) + " %"],
+      ["cost / 1M tokens", money(m.cost_per_million_tokens)],
+    ];
+    const dl = el("dl");
+    for (const [k, v] of rows) dl.append(el("dt", { textContent: k }), el("dd", { textContent: v }));
+    box.append(el("div", { class: "card", "data-model": m.model },
+      el("h3", { textContent: m.model }), dl,
+      el("p", { class: "muted", textContent: `last ${windowSeconds} s` })));
+  }
+}
+
+function renderBatches(batches) {
+  const body = $("batches").querySelector("tbody");
+  body.replaceChildren();
+  $("no-batches").hidden = batches.length > 0;
+  for (const b of batches) {
+    const counts = b.request_counts;
+    const done = counts.completed + counts.failed;
+    const pct = counts.total ? (100 * done) / counts.total : (ENDED.has(b.status) ? 100 : 0);
+    const bar = el("div", { class: "bar " + b.status }, el("div"));
+    bar.firstChild.style.width = pct.toFixed(1) + "%";
+    const usage = b.usage;
+    body.append(el("tr", { "data-batch": b.id, "data-done": done, "data-total": counts.total },
+      el("td", {}, el("code", { textContent: b.id })),
+      el("td", { textContent: b.model || "–" }),
+      el("td", {}, el("span", { class: "badge " + b.status, textContent: b.status })),
+      el("td", {}, bar, el("span", { class: "pct", textContent: pct.toFixed(0) + "%" })),
+      el("td", { class: "num",
+        textContent: `${num(counts.completed)} ✓ ${num(counts.failed)} ✗ / ${num(counts.total)}` }),
+      el("td", { class: "num",
+        textContent: `${num(usage.input_tokens)} / ${num(usage.output_tokens)}` }),
+      el("td", { class: "num", textContent: num(b.gpu_seconds, 2) }),
+      el("td", { class: "num", textContent: money(b.cost) }),
+      el("td", { class: "num", textContent: money(b.price) }),
+      el("td", { class: "num", textContent: money(b.saving) }),
+      el("td", { textContent: clock(b.created_at, true) })));
+  }
+}
+
+function renderChart(series) {
+  const span = series.end - series.start;
+  const datasets = [];
+  let colour = 0;
+  for (const [model, points] of Object.entries(series.completion_tokens_per_second)) {
+    datasets.push({
+      label: `${model}: batch output tokens/s`,
+      yAxisID: "tokens",
+      data: points.map(([x, y]) => ({ x, y })),
+      borderColor: PALETTE[colour % PALETTE.length],
+      backgroundColor: PALETTE[colour++ % PALETTE.length] + "33",
+      fill: true,
+      pointRadius: 0,
+      borderWidth: 1.5,
+      stepped: true,
+    });
+  }
+  let loadColour = 0;
+  for (const [source, points] of Object.entries(series.load)) {
+    datasets.push({
+      label: `real-time load (${source})`,
+      yAxisID: "load",
+      data: points.map(([x, y]) => ({ x, y })),
+      borderColor: LOAD_PALETTE[loadColour++ % LOAD_PALETTE.length],
+      borderDash: [6, 4],
+      pointRadius: 0,
+      borderWidth: 2,
+    });
+  }
+  if (chart === null) {
+    chart = new Chart($("chart"), {
+      type: "line",
+      data: { datasets },
+      options: {
+        animation: false,
+        maintainAspectRatio: false,
+        interaction: { mode: "nearest", axis: "x", intersect: false },
+        scales: {
+          x: { type: "linear", ticks: { maxTicksLimit: 12 } },
+          tokens: { position: "left", beginAtZero: true,
+                    title: { display: true, text: "batch output tokens/s" } },
+          load: { position: "right", beginAtZero: true, suggestedMax: 1,
+                  grid: { drawOnChartArea: false },
+                  title: { display: true, text: "real-time load" } },
+        },
+        plugins: { legend: { position: "bottom" } },
+      },
+    });
+  }
+  chart.options.scales.x.min = series.start;
+  chart.options.scales.x.max = series.end;
+  chart.options.scales.x.ticks.callback = (v) => clock(v, span < 1800);
+  chart.data.datasets = datasets;
+  chart.update();
+}
+
+async function refresh() {
+  const key = sessionStorage.getItem("offpeak-key");
+  if (!key) return showKeyForm();
+  let response;
+  try {
+    response = await fetch(`/v1/dashboard?hours=${HOURS}`, {
+      headers: { Authorization: "Bearer " + key },
+    });
+  } catch (err) {
+    $("error").hidden = false;
+    $("error").textContent = "The API did not answer; retrying.";
+    timer = setTimeout(refresh, REFRESH_SECONDS * 1000);
+    return;
+  }
+  if (response.status === 401) {
+    sessionStorage.removeItem("offpeak-key");
+    return showKeyForm("That key was not accepted.");
+  }
+  const data = await response.json();
+  if (!response.ok) {
+    $("error").hidden = false;
+    $("error").textContent = (data.error && data.error.message) || response.statusText;
+  } else {
+    $("error").hidden = true;
+    $("key-form").hidden = true;
+    $("content").hidden = false;
+    $("hours").textContent = HOURS;
+    const state = $("state");
+    const paused = data.paused.length > 0;
+    state.textContent = paused
+      ? "batch work paused" + (data.paused.includes("*") ? "" : ": " + data.paused.join(", "))
+      : "running";
+    state.className = "badge " + (paused ? "paused" : "running");
+    const loads = Object.entries(data.load).filter(([, v]) => v !== null);
+    $("load-now").textContent = loads.length
+      ? "load now: " + loads.map(([s, v]) => `${s} ${num(v, 2)}`).join(", ")
+      : "";
+    $("updated").textContent = "updated " + clock(data.generated_at, true);
+    renderModels(data.models, data.window_seconds);
+    renderBatches(data.batches);
+    renderChart(data.series);
+  }
+  timer = setTimeout(refresh, REFRESH_SECONDS * 1000);
+}
+
+$("key-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  sessionStorage.setItem("offpeak-key", $("key-input").value.trim());
+  refresh();
+});
+
+refresh();

@@ -1,0 +1,168 @@
+"""Deterministic batch input files for the benchmarks: the same seed gives the same bytes.
+
+- ``chat_requests``: the end-to-end set (256 chat requests by default). Prompt lengths are mixed
+  (a question alone, with a few sentences of context, or with a long passage), answer limits are
+  mixed (``max_tokens`` from an eighth of the cap up to the cap), half the requests share one
+  system prompt (so prefix caching has something to find), and every request is greedy
+  (``temperature`` 0) so the three runners of ``bench e2e`` produce comparable outputs.
+- ``write_padded_file``: many lines of a fixed size, streamed to disk, for the intake, control
+  plane and memory benchmarks (50,000 lines of ~2,000 bytes is the issue's ~100 MB file).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+CHAT_URL = "/v1/chat/completions"
+
+SYSTEM_PROMPT = (
+    "You are a careful, concise assistant for an engineering team. Answer in plain English, "
+    "in at most a few sentences, without lists unless asked. If a question is ambiguous, "
+    "state the most likely reading and answer that. Never invent numbers you were not given."
+)
+
+_QUESTIONS = (
+    "What is the capital of France?",
+    "Explain what a hash table is.",
+    "Why is the sky blue?",
+    "Give one reason to write tests before code.",
+    "What does a database index do?",
+    "Summarize the water cycle.",
+    "What is the difference between a process and a thread?",
+    "How does a bicycle stay upright?",
+    "What is photosynthesis?",
+    "Why do we batch requests to a GPU?",
+    "Describe a good commit message.",
+    "What is the Pythagorean theorem?",
+    "How do vaccines work?",
+    "What is a prime number?",
+    "Name three uses of a queue.",
+    "What causes the seasons on Earth?",
+)
+
+_WORDS = (
+    "system request batch engine token model memory cache worker queue latency throughput "
+    "river mountain garden window kitchen library station market harbor forest village "
+    "quickly slowly carefully often rarely always never sometimes together apart "
+    "build measure compare deliver improve record explain follow reduce balance "
+    "green bright quiet heavy narrow simple early modern local common "
+    "the a of to and in for with on by from at as into over under after before"
+).split()
+
+
+def _sentence(rng: random.Random, words: int) -> str:
+    text = " ".join(rng.choice(_WORDS) for _ in range(words))
+    return text[0].upper() + text[1:] + "."
+
+
+def _context(rng: random.Random, sentences: int) -> str:
+    return " ".join(_sentence(rng, rng.randint(8, 16)) for _ in range(sentences))
+
+
+def chat_requests(
+    n: int = 256, *, model: str, max_tokens: int = 64, seed: int = 0
+) -> list[dict[str, Any]]:
+    """``n`` chat request lines (``custom_id`` ``req-00000`` …) for ``model``.
+
+    Prompt shape cycles short / medium (2-4 sentences of context) / long (12-20 sentences);
+    ``max_tokens`` cycles through 1/8, 1/4, 1/2 and all of ``max_tokens`` (at least 1 token);
+    even-numbered requests start with ``SYSTEM_PROMPT``. All use ``temperature`` 0.
+    """
+    rng = random.Random(seed)
+    fractions = (1 / 8, 1 / 4, 1 / 2, 1)
+    lines = []
+    for i in range(n):
+        question = _QUESTIONS[rng.randrange(len(_QUESTIONS))]
+        shape = i % 3
+        if shape == 0:
+            user = question
+        else:
+            sentences = rng.randint(2, 4) if shape == 1 else rng.randint(12, 20)
+            user = f"Context: {_context(rng, sentences)}\n\nQuestion: {question}"
+        messages = [{"role": "user", "content": user}]
+        if i % 2 == 0:
+            messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
+        limit = max(1, round(max_tokens * fractions[(i // 3) % 4]))
+        lines.append(
+            {
+                "custom_id": f"req-{i:05d}",
+                "method": "POST",
+                "url": CHAT_URL,
+                "body": {
+                    "model": model,
+                    "messages": messages,
+                    "max_tokens": limit,
+                    "temperature": 0,
+                },
+            }
+        )
+    return lines
+
+
+def write_jsonl(lines: list[dict[str, Any]], path: Path) -> int:
+    """Write ``lines`` as JSONL; returns the bytes written."""
+    data = b"".join(orjson.dumps(line) + b"\n" for line in lines)
+    path.write_bytes(data)
+    return len(data)
+
+
+def _filler(seed: int, size: int = 1 << 16) -> str:
+    rng = random.Random(seed)
+    words: list[str] = []
+    length = 0
+    while length < size:
+        word = rng.choice(_WORDS)
+        words.append(word)
+        length += len(word) + 1
+    return " ".join(words)
+
+
+def padded_lines(
+    lines: int, bytes_per_line: int, *, model: str, seed: int = 0, max_tokens: int = 16
+) -> Iterator[bytes]:
+    """``lines`` chat request lines of exactly ``bytes_per_line`` bytes each (newline included,
+    when that size is above the smallest possible line), as bytes."""
+    filler = _filler(seed)
+    for i in range(lines):
+        record = {
+            "custom_id": f"req-{i:07d}",
+            "method": "POST",
+            "url": CHAT_URL,
+            "body": {
+                "model": model,
+                "messages": [{"role": "user", "content": ""}],
+                "max_tokens": max_tokens,
+            },
+        }
+        bare = len(orjson.dumps(record)) + 1
+        need = max(1, bytes_per_line - bare)
+        start = (i * 7919) % (len(filler) - need) if need < len(filler) else 0
+        record["body"]["messages"][0]["content"] = filler[start : start + need]  # type: ignore[index]
+        yield orjson.dumps(record) + b"\n"
+
+
+def write_padded_file(
+    path: Path, lines: int, total_bytes: int, *, model: str, seed: int = 0
+) -> int:
+    """Stream ``lines`` lines of about ``total_bytes / lines`` bytes each into ``path`` (never
+    all in memory); returns the bytes written."""
+    per_line = max(1, total_bytes // lines)
+    written = 0
+    with path.open("wb") as out:
+        buffer: list[bytes] = []
+        for line in padded_lines(lines, per_line, model=model, seed=seed):
+            buffer.append(line)
+            if len(buffer) >= 1000:
+                chunk = b"".join(buffer)
+                out.write(chunk)
+                written += len(chunk)
+                buffer.clear()
+        chunk = b"".join(buffer)
+        out.write(chunk)
+        written += len(chunk)
+    return written

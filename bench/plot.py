@@ -1,0 +1,97 @@
+"""One PNG of the four benchmarks' JSON results (``offpeak bench plot``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.harness import RESULTS_DIR
+
+
+def _load(folder: Path, name: str) -> dict[str, Any] | None:
+    path = folder / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def draw(results: Path | None, output: Path) -> Path:
+    """Draw e2e tokens/s, intake MB/s, control-plane phases and worker RSS into ``output``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = results or RESULTS_DIR
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    (e2e_ax, intake_ax), (control_ax, memory_ax) = axes
+
+    e2e = _load(folder, "e2e")
+    if e2e:
+        legs = e2e["legs"]
+        labels = ["(a) LLM.chat\ngeneration only", "(b) vllm run_batch\nwhole process",
+                  "(c) Offpeak\nupload → download"]  # fmt: skip
+        values = [legs[k]["output_tokens_per_s"] for k in ("a_raw_engine", "b_run_batch", "c_offpeak")]  # fmt: skip
+        bars = e2e_ax.bar(labels, values, color=["#888888", "#c77c3a", "#2f6db5"])
+        e2e_ax.bar_label(bars, fmt="%.0f")
+        ratios = e2e["ratios"]
+        e2e_ax.set_title(
+            f"End to end, {e2e['params']['requests']} requests on {e2e['params']['model']}\n"
+            f"c/a = {ratios['c_over_a']:.2f}, c/b = {ratios['c_over_b']:.2f}"
+        )
+        e2e_ax.set_ylabel("output tokens/s")
+
+    intake = _load(folder, "intake")
+    if intake:
+        runs = intake["runs"]
+        labels = [f"{r['file_mb']:.0f} MB" for r in runs]
+        bars = intake_ax.bar(labels, [r["mb_per_s"] for r in runs], color="#2f6db5")
+        intake_ax.bar_label(
+            bars, labels=[f"{r['mb_per_s']:.1f} MB/s\nAPI +{r['api_rss_growth_mb']:.0f} MB RSS"
+                          for r in runs])  # fmt: skip
+        intake_ax.axhline(intake["targets"]["mb_per_s"], color="#c0392b", ls="--", label="target")
+        intake_ax.set_title(f"Intake: upload + validation + rows, {runs[0]['lines']:,} lines")
+        intake_ax.set_ylabel("MB/s")
+        intake_ax.legend(loc="lower right")
+        intake_ax.margins(y=0.25)
+
+    control = _load(folder, "control")
+    if control:
+        (run,) = control["runs"]
+        left = 0.0
+        for phase, color in (("validate_s", "#8fb3de"), ("run_s", "#2f6db5"),
+                             ("finalize_s", "#c77c3a"), ("download_s", "#888888")):  # fmt: skip
+            control_ax.barh([0], [run[phase]], left=left, color=color, label=phase[:-2])
+            left += run[phase]
+        target_s = run["lines"] / control["targets"]["requests_per_s"]
+        control_ax.axvline(target_s, color="#c0392b", ls="--", label="target (3,000 req/s)")
+        control_ax.set_yticks([])
+        control_ax.set_xlabel("seconds")
+        control_ax.set_title(
+            f"Control plane, instant engine: {run['lines']:,} lines, "
+            f"{run['requests_per_s']:,.0f} requests/s"
+        )
+        control_ax.legend(loc="upper right", fontsize=8)
+        control_ax.set_ylim(-1, 1.5)
+
+    memory = _load(folder, "memory")
+    if memory:
+        runs = memory["runs"]
+        width = 0.35
+        xs = range(len(runs))
+        for i, (worker, color) in enumerate((("engine", "#2f6db5"), ("control", "#c77c3a"))):
+            bars = memory_ax.bar([x + i * width for x in xs],
+                                 [r[f"{worker}_rss_peak_mb"] for r in runs], width,
+                                 color=color, label=f"{worker} worker")  # fmt: skip
+            memory_ax.bar_label(bars, fmt="%.0f")
+        memory_ax.set_xticks([x + width / 2 for x in xs], [f"{r['lines']:,} lines" for r in runs])
+        memory_ax.set_ylabel("peak RSS, MB")
+        memory_ax.set_title("Worker memory over a batch (instant engine)")
+        memory_ax.legend(loc="lower right")
+        memory_ax.margins(y=0.15)
+
+    fig.suptitle("Offpeak benchmarks (2-core CPU, no GPU; see docs/benchmarks.md)")
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=110)
+    plt.close(fig)
+    return output

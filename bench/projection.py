@@ -1,0 +1,140 @@
+"""A GPU projection ON PAPER, not a measurement: Llama 3.1 8B in bf16 on one H200, from the
+planner's cost models (``workers.planner``), for an offline workload of fixed prompt and answer
+lengths. Every assumption is a named parameter and is printed with the result.
+
+- Memory: the KV-cache budget is the device's usable memory minus the weights
+  (``planner.plan_memory``); the chunk's ``max_num_seqs`` comes from ``choose_engine_limits``
+  (paged KV, every sequence may run to its ``max_tokens``, capped at 1,024).
+- Decode is memory-bandwidth bound: one step reads every weight once and each running sequence's
+  KV cache once, so ``step ≈ weights bytes / bandwidth + batch × context × KV bytes per token /
+  bandwidth`` (a ``planner.StepModel``: base + per sequence), at an achieved fraction of the
+  peak bandwidth; it is compute bound instead when ``2 × parameters × batch`` FLOPs take longer.
+- Prefill is compute bound: ``2 × parameters × prompt tokens`` FLOPs per request at an achieved
+  fraction of the peak bf16 FLOP rate, added to decode time (chunked prefill overlaps some of it,
+  so this errs on the slow side).
+- Dollars: the GPU's price per hour over the tokens it produces in that hour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import harness
+from workers import planner
+
+#: Llama 3.1 8B's ``config.json`` fields the planner reads (meta-llama/Llama-3.1-8B-Instruct).
+LLAMA_31_8B = {
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "hidden_size": 4096,
+    "head_dim": 128,
+    "torch_dtype": "bfloat16",
+    "max_position_embeddings": 131_072,
+}
+LLAMA_31_8B_PARAMETERS = 8.03e9
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    gpu: str = "H200 (141 GB HBM3e, 4.8 TB/s)"
+    memory_bytes: float = 141e9
+    bandwidth_bytes_per_s: float = 4.8e12
+    #: Dense bf16 tensor-core peak (H200 SXM datasheet: 989 TFLOPS without sparsity).
+    bf16_flops: float = 989e12
+    #: Fractions of the peaks a tuned engine reaches (decode kernels ~70-80% of HBM bandwidth,
+    #: large prefill GEMMs ~50-60% of tensor-core peak).
+    bandwidth_efficiency: float = 0.75
+    flops_efficiency: float = 0.5
+    #: vLLM's ``gpu_memory_utilization`` and what activations, CUDA graphs and the allocator keep.
+    gpu_memory_utilization: float = 0.9
+    runtime_overhead_bytes: float = 4e9
+    prompt_tokens: int = 1000
+    output_tokens: int = 500
+    price_per_hour: float = 3.50
+
+
+def project(a: Assumptions | None = None) -> dict[str, Any]:
+    """The projection's figures (tokens/s, $ per million tokens) and the planner's reasoning."""
+    a = a or Assumptions()
+    kv = planner.kv_bytes_per_token(LLAMA_31_8B)
+    weights = planner.weights_bytes(LLAMA_31_8B_PARAMETERS, planner.dtype_bytes("bfloat16"))
+    usable = int(a.memory_bytes * a.gpu_memory_utilization - a.runtime_overhead_bytes)
+    memory = planner.plan_memory(usable, weights, kv, paged_avg_tokens=a.prompt_tokens + a.output_tokens)  # fmt: skip
+    chunk = planner.MAX_NUM_SEQS_CAP
+    batch, max_model_len, why = planner.choose_engine_limits(
+        [a.prompt_tokens] * chunk,
+        [a.output_tokens] * chunk,
+        kv,
+        memory.kv_budget_bytes,
+        LLAMA_31_8B["max_position_embeddings"],
+    )
+    bandwidth = a.bandwidth_bytes_per_s * a.bandwidth_efficiency
+    flops = a.bf16_flops * a.flops_efficiency
+    average_context = a.prompt_tokens + a.output_tokens / 2
+    step = planner.StepModel(
+        base_ms=weights / bandwidth * 1e3, per_seq_ms=average_context * kv / bandwidth * 1e3
+    )
+    memory_step_ms = step.step_ms(batch)
+    compute_step_ms = 2 * LLAMA_31_8B_PARAMETERS * batch / flops * 1e3
+    step_ms = max(memory_step_ms, compute_step_ms)
+    decode_tokens_per_s = batch * 1000 / step_ms
+    prefill_s = 2 * LLAMA_31_8B_PARAMETERS * a.prompt_tokens / flops
+    seconds_per_request = a.output_tokens / decode_tokens_per_s + prefill_s
+    output_tokens_per_s = a.output_tokens / seconds_per_request
+    tokens_per_s = (a.prompt_tokens + a.output_tokens) / seconds_per_request
+    dollars_per_s = a.price_per_hour / 3600
+    return {
+        "label": "projection on paper, not measured",
+        "assumptions": asdict(a),
+        "kv_bytes_per_token": kv,
+        "weights_bytes": weights,
+        "kv_budget_bytes": memory.kv_budget_bytes,
+        "sequences_reserved_8192": memory.reserved_sequences,
+        "sequences_paged": memory.paged_sequences,
+        "max_num_seqs": batch,
+        "max_model_len": max_model_len,
+        "engine_limits": why,
+        "step_base_ms": step.base_ms,
+        "step_per_seq_ms": step.per_seq_ms,
+        "decode_step_ms": step_ms,
+        "decode_bound": "memory bandwidth" if memory_step_ms >= compute_step_ms else "compute",
+        "compute_step_ms": compute_step_ms,
+        "decode_tokens_per_s": decode_tokens_per_s,
+        "prefill_ms_per_request": prefill_s * 1e3,
+        "output_tokens_per_s": output_tokens_per_s,
+        "requests_per_s": output_tokens_per_s / a.output_tokens,
+        "dollars_per_million_output_tokens": dollars_per_s / output_tokens_per_s * 1e6,
+        "dollars_per_million_tokens": dollars_per_s / tokens_per_s * 1e6,
+    }
+
+
+def run(price_per_hour: float = 3.50, out_dir: Path | None = None) -> dict[str, Any]:
+    """Print the projection and write ``projection.json``."""
+    p = project(Assumptions(price_per_hour=price_per_hour))
+    a = p["assumptions"]
+    harness.print_table(
+        "GPU projection ON PAPER (not measured): Llama 3.1 8B bf16 on one H200",
+        ["quantity", "value"],
+        [
+            ["workload", f"{a['prompt_tokens']} prompt + {a['output_tokens']} output tokens"],
+            ["KV cache per token", f"{p['kv_bytes_per_token']:,} B"],
+            ["weights", f"{p['weights_bytes'] / 1e9:.2f} GB"],
+            ["KV budget", f"{p['kv_budget_bytes'] / 1e9:.1f} GB"],
+            ["max_num_seqs (planner)", p["max_num_seqs"]],
+            ["decode step", f"{p['decode_step_ms']:.1f} ms ({p['decode_bound']} bound)"],
+            ["decode tokens/s", f"{p['decode_tokens_per_s']:,.0f}"],
+            ["prefill per request", f"{p['prefill_ms_per_request']:.2f} ms"],
+            ["output tokens/s", f"{p['output_tokens_per_s']:,.0f}"],
+            ["requests/s to keep it fed", f"{p['requests_per_s']:,.1f}"],
+            [f"$ / M output tokens at ${a['price_per_hour']:.2f}/h",
+             f"{p['dollars_per_million_output_tokens']:.3f}"],
+            ["$ / M tokens (input + output)", f"{p['dollars_per_million_tokens']:.4f}"],
+        ],
+    )  # fmt: skip
+    harness.console.print(p["engine_limits"])
+    path = harness.write_result("projection", p, out_dir)
+    harness.console.print(f"wrote {path}")
+    return p

@@ -1,0 +1,63 @@
+"""Leg (a) of ``bench e2e``: the raw engine, in a process of its own.
+
+``python -m bench.raw_engine --input IN.jsonl --model-dir DIR --engine-json '{…}' --output OUT.json``
+loads ``vllm.LLM`` with the given engine arguments, warms it up with one short request, then times
+one ``LLM.chat`` over every request of the file (generation only: the model is already loaded)
+and writes the timing and each request's completion as JSON. A process of its own so its engine
+is gone before the next leg starts, and under a main guard because vLLM spawns its engine core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+
+def run(input_path: Path, model_dir: Path, engine: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    lines = [orjson.loads(raw) for raw in input_path.read_bytes().splitlines() if raw.strip()]
+    started = time.perf_counter()
+    llm = LLM(model=str(model_dir), tokenizer=str(model_dir), **engine)
+    load_s = time.perf_counter() - started
+    llm.chat([[{"role": "user", "content": "Hello"}]], SamplingParams(max_tokens=4), use_tqdm=False)
+    params = [
+        SamplingParams(
+            temperature=line["body"].get("temperature", 1.0),
+            max_tokens=line["body"]["max_tokens"],
+        )
+        for line in lines
+    ]
+    started = time.perf_counter()
+    outputs = llm.chat([line["body"]["messages"] for line in lines], params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    completions = {
+        line["custom_id"]: {
+            "text": out.outputs[0].text,
+            "prompt_tokens": len(out.prompt_token_ids or []),
+            "completion_tokens": len(out.outputs[0].token_ids),
+        }
+        for line, out in zip(lines, outputs, strict=True)
+    }
+    llm.llm_engine.engine_core.shutdown()
+    return {"load_s": load_s, "seconds": seconds, "completions": completions}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--input", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--engine-json", required=True, help="keyword arguments for vllm.LLM")
+    parser.add_argument("--output", type=Path, required=True)
+    args = parser.parse_args()
+    result = run(args.input, args.model_dir, json.loads(args.engine_json))
+    args.output.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""``offpeak bench e2e|intake|control|memory``: the benchmarks of ``bench/`` (see
+``docs/benchmarks.md``). Each prints a table and writes ``bench/results/<name>.json``.
+
+They need PostgreSQL and Redis (``OFFPEAK_BENCH_PG``, ``OFFPEAK_BENCH_REDIS``; a scratch database
+and queue prefix are made and removed per run) and a checkout: ``bench/`` is not installed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+bench_app = typer.Typer(
+    help="Benchmarks: ratios measured side by side in one run.", no_args_is_help=True
+)
+
+OutDir = Annotated[
+    Path | None, typer.Option("--out", help="Folder for the JSON result (default bench/results).")
+]
+
+
+def _bench():  # type: ignore[no-untyped-def]
+    """Import ``bench`` from the checkout this package is installed from (editable installs)."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import bench
+
+    return bench
+
+
+@bench_app.command("e2e")
+def e2e(
+    requests: Annotated[int, typer.Option(help="Chat requests in the batch.")] = 256,
+    max_tokens: Annotated[int, typer.Option(help="Largest max_tokens of a request.")] = 64,
+    out: OutDir = None,
+) -> None:
+    """The real model three ways: vLLM's LLM.chat, vLLM's run_batch, Offpeak (a few minutes)."""
+    _bench()
+    from bench import e2e as module
+
+    module.run(requests, max_tokens, out)
+
+
+@bench_app.command("intake")
+def intake(
+    lines: Annotated[int, typer.Option(help="Lines per file.")] = 50_000,
+    megabytes: Annotated[
+        list[float] | None, typer.Option("--mb", help="File sizes in MB (repeat the option).")
+    ] = None,
+    out: OutDir = None,
+) -> None:
+    """Upload + validation + rows stored, against parsing the file with orjson; API RSS."""
+    _bench()
+    from bench import intake as module
+
+    module.run(lines, tuple(megabytes or (100.0, 200.0)), out)
+
+
+@bench_app.command("control")
+def control(
+    lines: Annotated[int, typer.Option(help="Lines in the batch.")] = 50_000,
+    out: OutDir = None,
+) -> None:
+    """The instant engine: requests/s from create to the output file downloaded."""
+    _bench()
+    from bench import control as module
+
+    module.run(lines, out)
+
+
+@bench_app.command("memory")
+def memory(
+    small: Annotated[int, typer.Option(help="Lines in the small batch.")] = 5_000,
+    large: Annotated[int, typer.Option(help="Lines in the large batch.")] = 50_000,
+    out: OutDir = None,
+) -> None:
+    """Peak RSS of the workers over a small and a large batch (instant engine)."""
+    _bench()
+    from bench import memory as module
+
+    module.run(small, large, out)
+
+
+@bench_app.command("plot")
+def plot(
+    results: Annotated[Path | None, typer.Option(help="Folder of the JSON results.")] = None,
+    output: Annotated[Path, typer.Option("-o", "--output")] = Path("docs/benchmarks.png"),
+) -> None:
+    """Draw the results of the four benchmarks into one PNG."""
+    _bench()
+    from bench import plot as module
+
+    module.draw(results, output)
+
+
+@bench_app.command("projection")
+def projection(
+    price_per_hour: Annotated[float, typer.Option(help="Dollars per H200-hour.")] = 3.50,
+    out: OutDir = None,
+) -> None:
+    """On paper, not measured: Llama 3.1 8B bf16 on one H200 from the planner's cost models."""
+    _bench()
+    from bench import projection as module
+
+    module.run(price_per_hour, out)

@@ -1,0 +1,200 @@
+"""`offpeak pause`, `offpeak resume` and `offpeak simulate day`: the scheduler's commands.
+
+``pause``/``resume`` flip the admin switch in the database (the same switch as
+``POST /v1/admin/scheduler/pause``), so they work wherever the settings reach the database, API up
+or not. ``simulate day`` replays a day of real-time load and batch arrivals through the real
+scheduler on a virtual clock (``workers.scheduler.simulation``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from offpeak.settings import get_settings
+
+PoolOption = Annotated[
+    str, typer.Option("--pool", help="A worker pool (OFFPEAK_SCHEDULER__POOL), or * for all.")
+]
+
+
+def pause_command(
+    pool: PoolOption = "*",
+    hard: Annotated[
+        bool, typer.Option("--hard", help="Stop urgent batches too (windows may be missed).")
+    ] = False,
+    reason: Annotated[str | None, typer.Option(help="Shown in logs and the admin view.")] = None,
+) -> None:
+    """Pause batch work: workers yield as they do to high load (urgent batches keep running
+    unless --hard) within one load poll, until `offpeak resume`."""
+    from api.services import admin
+    from storage.db import session_scope
+
+    with session_scope(get_settings().resolved_database_url) as session:
+        switch = admin.pause(session, pool, hard=hard, reason=reason)
+    kind = "hard-paused" if switch.hard else "paused"
+    Console().print(
+        f"batch work {kind} on pool {switch.pool!r}" + (f": {reason}" if reason else "")
+    )
+
+
+def resume_command(pool: PoolOption = "*") -> None:
+    """Resume batch work paused with `offpeak pause` (the load signals still apply)."""
+    from api.services import admin
+    from storage.db import session_scope
+
+    with session_scope(get_settings().resolved_database_url) as session:
+        switch = admin.resume(session, pool)
+    if switch.paused:
+        Console().print(f"pool {switch.pool!r} resumed, but {switch.reason}")
+    else:
+        Console().print(f"batch work resumed on pool {switch.pool!r}")
+
+
+def _curve(text: str | None) -> tuple[float, ...] | None:
+    if text is None:
+        return None
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise typer.BadParameter("24 comma-separated numbers, one per hour") from None
+    if len(values) != 24 or min(values) < 0:
+        raise typer.BadParameter("24 comma-separated non-negative loads, one per hour")
+    return values
+
+
+def simulate_day_command(
+    hours: Annotated[float, typer.Option(help="Simulated hours measured.")] = 24.0,
+    start_hour: Annotated[float, typer.Option(help="Hour of day the replay starts.")] = 8.0,
+    load_curve: Annotated[
+        str | None,
+        typer.Option(help="24 comma-separated hourly real-time loads (0 idle, 1 saturated)."),
+    ] = None,
+    trough: Annotated[float, typer.Option(help="Lowest load of the default curve (02:00).")] = 0.05,
+    peak: Annotated[float, typer.Option(help="Highest load of the default curve (14:00).")] = 0.85,
+    noise: Annotated[float, typer.Option(help="Smooth random noise on the load, ±.")] = 0.03,
+    fill: Annotated[
+        float, typer.Option(help="Batch work offered, as a multiple of the valleys' capacity.")
+    ] = 1.2,
+    batches: Annotated[int, typer.Option(help="Batches submitted over the day.")] = 40,
+    arrivals_from: Annotated[float, typer.Option(help="First hour batches arrive.")] = 8.0,
+    arrivals_to: Annotated[float, typer.Option(help="Hour batches stop arriving.")] = 20.0,
+    min_reply: Annotated[int, typer.Option(help="Shortest reply, in tokens.")] = 400,
+    max_reply: Annotated[int, typer.Option(help="Longest reply, in tokens.")] = 2400,
+    window: Annotated[str, typer.Option(help="Each batch's completion_window.")] = "24h",
+    base_ms: Annotated[float, typer.Option(help="Fixed ms of one decode step.")] = 10.0,
+    per_seq_ms: Annotated[float, typer.Option(help="Extra ms per running sequence.")] = 0.4,
+    max_num_seqs: Annotated[int, typer.Option(help="The engine's sequence limit.")] = 256,
+    low_water: Annotated[
+        float | None, typer.Option(help="Override the configured low-water mark.")
+    ] = None,
+    high_water: Annotated[
+        float | None, typer.Option(help="Override the configured high-water mark.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Random seed (load noise, arrivals).")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Replay a day of real-time load and batch arrivals through the real scheduler, with the
+    seed's step cost (10 ms + 0.4 ms per sequence) on a virtual clock; the configured scheduler
+    settings apply (its load signals are replaced by the curve)."""
+    from workers.scheduler.simulation import DayParams, diurnal_curve, simulate_day
+
+    policy = get_settings().scheduler
+    changes = {
+        k: v for k, v in (("low_water", low_water), ("high_water", high_water)) if v is not None
+    }
+    try:
+        policy = policy.model_validate(policy.model_dump() | changes)
+        params = DayParams(
+            hours=hours,
+            start_hour=start_hour,
+            load_curve=_curve(load_curve) or tuple(diurnal_curve(trough, peak)),
+            noise=noise,
+            fill=fill,
+            batches=batches,
+            arrivals_from_hour=arrivals_from,
+            arrivals_to_hour=arrivals_to,
+            min_reply=min_reply,
+            max_reply=max_reply,
+            window=window,
+            base_ms=base_ms,
+            per_seq_ms=per_seq_ms,
+            max_num_seqs=max_num_seqs,
+            seed=seed,
+        )
+        report = simulate_day(params, policy)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    summary = {
+        "batches": report.batches,
+        "inside_window": report.inside_window,
+        "inside_window_pct": round(report.inside_window_pct, 2),
+        "expired": report.expired,
+        "completion_tokens": report.completion_tokens,
+        "prompt_tokens": report.prompt_tokens,
+        "cached_tokens": report.cached_tokens,
+        "valley_seconds": report.valley_seconds,
+        "valley_busy_seconds": round(report.valley_busy_seconds, 1),
+        "valley_used_pct": round(report.valley_used_pct, 2),
+        "busy_above_high_seconds": round(report.busy_above_high_seconds, 2),
+        "busy_seconds": round(report.busy_seconds, 1),
+        "gate_changes": report.gate_changes,
+        "yields": report.yields,
+        "aborted_sequences": report.aborted,
+        "urgent_batches": report.urgent_batches,
+        "last_end_hours": round(report.last_end_hours, 2),
+        "wall_seconds": round(report.wall_seconds, 2),
+        "low_water": report.low_water,
+        "high_water": report.high_water,
+        "params": asdict(params),
+    }
+    if as_json:
+        typer.echo(json.dumps(summary))
+        return
+    _print_day(report)
+
+
+def _print_day(report) -> None:  # type: ignore[no-untyped-def]
+    p = report.params
+    console = Console()
+    console.print(
+        f"Simulated {p.hours:g} h from {p.start_hour:05.2f} h: {report.batches} batches "
+        f"arriving {p.arrivals_from_hour:g}-{p.arrivals_to_hour:g} h with {p.fill:g}x the "
+        f"valleys' capacity of work; step {p.base_ms:g} ms + {p.per_seq_ms:g} ms x "
+        f"{p.max_num_seqs} sequences; water marks {report.low_water:g}/{report.high_water:g}"
+    )
+    table = Table(show_header=False)
+    table.add_column("")
+    table.add_column("", justify="right")
+    hit = report.cached_tokens / report.prompt_tokens if report.prompt_tokens else 0.0
+    table.add_row(
+        "batches finished inside their window",
+        f"{report.inside_window}/{report.batches} ({report.inside_window_pct:.1f}%)",
+    )
+    table.add_row(
+        "batch tokens served",
+        f"{report.completion_tokens:,} completion + {report.prompt_tokens:,} prompt "
+        f"({100 * hit:.0f}% of prompt from the prefix cache)",
+    )
+    table.add_row(
+        "valley idle capacity used by batch work",
+        f"{report.valley_used_pct:.1f}% ({report.valley_busy_seconds / 3600:.2f} of "
+        f"{report.valley_seconds / 3600:.2f} h at load <= {report.low_water:g})",
+    )
+    table.add_row(
+        "seconds of batch work while load > high-water",
+        f"{report.busy_above_high_seconds:.1f} s",
+    )
+    table.add_row(
+        "gate changes / yields / sequences aborted",
+        f"{report.gate_changes} / {report.yields} / {report.aborted:,}",
+    )
+    table.add_row("batches that became urgent", str(report.urgent_batches))
+    table.add_row("last batch ended", f"{report.last_end_hours:.1f} h after the start")
+    table.add_row("wall time", f"{report.wall_seconds:.1f} s")
+    console.print(table)

@@ -1,0 +1,276 @@
+"""The ledger and the engine-time attribution it is built from, and the usage queries on it.
+
+Attribution rule: an engine chunk's busy seconds go to the batches whose requests finished in it,
+in proportion to their weighted tokens
+
+    weight(batch) = prefill × (prompt − cached) + cached_w × cached + decode × completion
+
+using the chunk's per-batch token counts (``engine_chunk_batches``) over the chunk's totals
+(``engine_chunks``, which ``chunks.record`` writes as the sum of its batches' rows). A chunk whose
+tokens all weigh 0 is split by finished requests instead. Summed over a chunk's batches the shares
+are exactly its busy seconds (up to float rounding). The weights are settings because a prefill
+token (many in one forward pass) costs less engine time than a decode token (one pass each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any, Literal
+
+from sqlalchemy import ColumnElement, Float, case, cast, exists, func, literal, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from storage.models import Batch, EngineChunk, EngineChunkBatch, LedgerEntry
+
+#: Statuses after which a batch is billed (``batches.FINAL_STATUSES``).
+BILLABLE_STATUSES = ("completed", "failed", "expired", "cancelled")
+DAY_SECONDS = 86_400
+#: Histogram bounds of time-to-complete as a share of the completion window (1.0 = at the deadline).
+WINDOW_SHARE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+
+@dataclass(frozen=True)
+class TokenWeights:
+    """Engine-time weight of one uncached prompt token, one cached prompt token and one
+    completion token (only their ratios matter)."""
+
+    prefill: float = 1.0
+    cached: float = 0.0
+    decode: float = 1.0
+
+
+def batch_key(batch_id: str) -> str:
+    """The ledger key of a batch's bill: one bill per batch, ever."""
+    return f"batch:{batch_id}"
+
+
+def _weighted(prompt: Any, cached: Any, completion: Any, w: TokenWeights) -> ColumnElement[float]:
+    return (
+        (prompt - cached) * literal(w.prefill, Float)
+        + cached * literal(w.cached, Float)
+        + completion * literal(w.decode, Float)
+    )
+
+
+def _share(w: TokenWeights) -> ColumnElement[float]:
+    """The fraction of a chunk's seconds that goes to one of its batch rows."""
+    part = _weighted(
+        EngineChunkBatch.prompt_tokens,
+        EngineChunkBatch.cached_tokens,
+        EngineChunkBatch.completion_tokens,
+        w,
+    )
+    whole = _weighted(
+        EngineChunk.prompt_tokens, EngineChunk.cached_tokens, EngineChunk.completion_tokens, w
+    )
+    by_requests = cast(EngineChunkBatch.requests, Float) / func.nullif(EngineChunk.requests, 0)
+    return case((whole > 0, part / whole), else_=by_requests)
+
+
+def attributed_seconds(
+    session: Session, batch_ids: Iterable[str], weights: TokenWeights
+) -> dict[str, dict[str, float]]:
+    """``batch_id → {worker pool (device) → engine seconds}`` attributed so far, by the rule in
+    this module's docstring. Batches with no finished request in any chunk are absent."""
+    ids = list(set(batch_ids))
+    if not ids:
+        return {}
+    rows = session.execute(
+        select(
+            EngineChunkBatch.batch_id,
+            EngineChunk.device,
+            func.sum(EngineChunk.busy_seconds * _share(weights)),
+        )
+        .join(EngineChunk, EngineChunk.id == EngineChunkBatch.chunk_id)
+        .where(EngineChunkBatch.batch_id.in_(ids))
+        .group_by(EngineChunkBatch.batch_id, EngineChunk.device)
+    )
+    out: dict[str, dict[str, float]] = {}
+    for batch_id, device, seconds in rows:
+        out.setdefault(batch_id, {})[device] = float(seconds or 0.0)
+    return out
+
+
+def chunk_shares(session: Session, chunk_id: int, weights: TokenWeights) -> dict[str, float]:
+    """``batch_id → seconds`` of one chunk (they add up to its ``busy_seconds``)."""
+    rows = session.execute(
+        select(EngineChunkBatch.batch_id, EngineChunk.busy_seconds * _share(weights))
+        .join(EngineChunk, EngineChunk.id == EngineChunkBatch.chunk_id)
+        .where(EngineChunkBatch.chunk_id == chunk_id)
+    )
+    return {batch_id: float(seconds) for batch_id, seconds in rows}
+
+
+def insert_once(session: Session, values: dict[str, Any]) -> bool:
+    """Insert a ledger entry unless one with the same ``key`` exists (``ON CONFLICT DO NOTHING``,
+    so concurrent billers cannot both insert). Returns True if this call inserted it."""
+    dialect = session.get_bind().dialect.name
+    module = postgresql if dialect == "postgresql" else sqlite
+    statement = (
+        module.insert(LedgerEntry)
+        .values(**values)
+        .on_conflict_do_nothing()
+        .returning(LedgerEntry.id)
+    )
+    return session.execute(statement).first() is not None
+
+
+def entries_for(session: Session, batch_ids: Iterable[str]) -> dict[str, LedgerEntry]:
+    """The bills of these batches, by batch id (batches not billed yet are absent)."""
+    keys = [batch_key(b) for b in set(batch_ids)]
+    if not keys:
+        return {}
+    rows = session.scalars(select(LedgerEntry).where(LedgerEntry.key.in_(keys)))
+    return {entry.batch_id: entry for entry in rows}
+
+
+def unbilled_ended(session: Session, created_since: int, limit: int = 500) -> list[str]:
+    """Ended batches created at or after ``created_since`` (unix seconds) that have no bill:
+    their billing step failed or never ran. Oldest first."""
+    billed = exists().where(LedgerEntry.batch_id == Batch.id)
+    return list(
+        session.scalars(
+            select(Batch.id)
+            .where(Batch.status.in_(BILLABLE_STATUSES), Batch.created_at >= created_since, ~billed)
+            .order_by(Batch.id)
+            .limit(limit)
+        )
+    )
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """Billed usage of one group (a model, a UTC day, or everything)."""
+
+    model: str | None
+    day: int | None  # unix second at 00:00 UTC
+    batches: int
+    requests: int
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    gpu_seconds: float
+    cost: Decimal
+    price: Decimal
+    realtime_price: Decimal
+
+
+def usage(
+    session: Session,
+    tenant_id: str,
+    start: int,
+    end: int,
+    group_by: Literal["model", "day"] | None,
+) -> list[UsageRow]:
+    """Sums of the tenant's bills for batches that ended in ``[start, end)`` (unix seconds),
+    one row per model, per UTC day, or a single row (none if nothing was billed)."""
+    day = (LedgerEntry.ended_at // DAY_SECONDS) * DAY_SECONDS
+    keys: list[Any] = [LedgerEntry.model] if group_by == "model" else [day] if group_by else []
+    query = select(
+        *keys,
+        func.count(),
+        func.coalesce(func.sum(LedgerEntry.requests), 0),
+        func.coalesce(func.sum(LedgerEntry.input_tokens), 0),
+        func.coalesce(func.sum(LedgerEntry.cached_tokens), 0),
+        func.coalesce(func.sum(LedgerEntry.output_tokens), 0),
+        func.coalesce(func.sum(LedgerEntry.gpu_seconds), 0.0),
+        func.coalesce(func.sum(LedgerEntry.cost), 0),
+        func.coalesce(func.sum(LedgerEntry.price), 0),
+        func.coalesce(func.sum(LedgerEntry.realtime_price), 0),
+    ).where(
+        LedgerEntry.tenant_id == tenant_id,
+        LedgerEntry.ended_at >= start,
+        LedgerEntry.ended_at < end,
+    )
+    if keys:
+        query = query.group_by(*keys).order_by(*keys)
+    out = []
+    for row in session.execute(query):
+        values: Sequence[Any] = tuple(row)
+        model = values[0] if group_by == "model" else None
+        bucket = int(values[0]) if group_by == "day" else None
+        (
+            batches,
+            requests,
+            input_tokens,
+            cached_tokens,
+            output_tokens,
+            seconds,
+            cost,
+            price,
+            listed,
+        ) = values[len(keys) :]
+        if not batches:
+            continue
+        out.append(
+            UsageRow(
+                model=model,
+                day=bucket,
+                batches=int(batches),
+                requests=int(requests),
+                input_tokens=int(input_tokens),
+                cached_tokens=int(cached_tokens),
+                output_tokens=int(output_tokens),
+                gpu_seconds=float(seconds),
+                cost=Decimal(cost),
+                price=Decimal(price),
+                realtime_price=Decimal(listed),
+            )
+        )
+    return out
+
+
+def totals_by_model(session: Session) -> list[tuple[str | None, int, float, Decimal, Decimal]]:
+    """``(model, tokens, gpu_seconds, cost, price)`` over the whole ledger, per model."""
+    rows = session.execute(
+        select(
+            LedgerEntry.model,
+            func.sum(LedgerEntry.input_tokens + LedgerEntry.output_tokens),
+            func.sum(LedgerEntry.gpu_seconds),
+            func.sum(LedgerEntry.cost),
+            func.sum(LedgerEntry.price),
+        ).group_by(LedgerEntry.model)
+    )
+    return [
+        (model, int(tokens or 0), float(seconds or 0), Decimal(cost or 0), Decimal(price or 0))
+        for model, tokens, seconds, cost, price in rows
+    ]
+
+
+def _window_share() -> ColumnElement[Any]:
+    return cast(LedgerEntry.ended_at - LedgerEntry.created_at, Float) / LedgerEntry.window_seconds
+
+
+def completion_share_buckets(
+    session: Session, bounds: Sequence[float]
+) -> tuple[list[int], int, float]:
+    """For completed batches in the whole ledger: cumulative counts of time-to-complete as a share
+    of the window at or below each bound, the count, and the sum of the shares."""
+    share = _window_share()
+    completed = (LedgerEntry.status == "completed") & (LedgerEntry.window_seconds > 0)
+    row = session.execute(
+        select(
+            *[func.count().filter(share <= bound) for bound in bounds],
+            func.count(),
+            func.coalesce(func.sum(share), 0.0),
+        ).where(completed)
+    ).one()
+    values = tuple(row)
+    return [int(v) for v in values[: len(bounds)]], int(values[-2]), float(values[-1])
+
+
+def completion_shares_since(session: Session, ended_since: int) -> list[float]:
+    """Time to complete as a share of the window, for batches completed since ``ended_since``."""
+    return [
+        float(v)
+        for v in session.scalars(
+            select(_window_share()).where(
+                LedgerEntry.status == "completed",
+                LedgerEntry.window_seconds > 0,
+                LedgerEntry.ended_at >= ended_since,
+            )
+        )
+    ]

@@ -1,0 +1,193 @@
+"""Queries behind ``/metrics`` and the dashboard: queue depth, engine throughput over a recent
+window, batches per status, the scheduler's shared state, and the load-signal history.
+
+Every query is bounded by an index (request status, chunk start time, sample time), so a scrape
+costs the same on a database with a year of history as on a new one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Float, cast, delete, func, insert, or_, select
+from sqlalchemy.orm import Session
+
+from storage.models import Batch, EngineChunk, LoadSample, RequestLine, SchedulerState
+
+#: ``scheduler_state`` keys read here, as ``storage.repositories.scheduler`` writes them:
+#: ``paused`` (every pool) and ``paused:<pool>``, the admin switch as ``{"paused": bool, ...}``;
+#: ``load:<pool>``, the pool's last load reading as ``{"load": float, "paused": bool, ...}``.
+PAUSED_KEY = "paused"
+PAUSED_PREFIX = "paused:"
+LOAD_PREFIX = "load:"
+#: An accounting period longer than this is not looked for when summing a recent window: a chunk
+#: is recorded at least every time a request finishes, so only an idle engine has longer ones.
+MAX_CHUNK_SECONDS = 3600.0
+
+
+def queue_depth(session: Session) -> list[tuple[str, str, int, int]]:
+    """``(model, status, requests, bytes)`` of request lines not finished yet (``pending`` or
+    ``running``): how many, and the bytes of their JSON lines (a prompt-size proxy)."""
+    rows = session.execute(
+        select(
+            RequestLine.model,
+            RequestLine.status,
+            func.count(),
+            func.coalesce(func.sum(func.length(RequestLine.line_json)), 0),
+        )
+        .where(RequestLine.status.in_(("pending", "running")))
+        .group_by(RequestLine.model, RequestLine.status)
+    )
+    return [(model, status, int(n), int(size)) for model, status, n, size in rows]
+
+
+def pending_since(session: Session) -> list[tuple[str, float, int]]:
+    """``(model, in_progress_at, pending requests)`` per running batch: each pending line has
+    waited since its batch became runnable."""
+    rows = session.execute(
+        select(RequestLine.model, Batch.in_progress_at, func.count())
+        .join(Batch, Batch.id == RequestLine.batch_id)
+        .where(RequestLine.status == "pending", Batch.in_progress_at.is_not(None))
+        .group_by(RequestLine.model, Batch.id, Batch.in_progress_at)
+    )
+    return [(model, float(started or 0), int(n)) for model, started, n in rows]
+
+
+def batches_by_status(session: Session) -> dict[str, int]:
+    rows = session.execute(select(Batch.status, func.count()).group_by(Batch.status))
+    return {status: int(n) for status, n in rows}
+
+
+@dataclass(frozen=True)
+class EngineWindow:
+    """One worker's engine activity for one model over a recent window."""
+
+    model: str
+    worker_id: str
+    device: str
+    busy_seconds: float
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+def engine_window(
+    session: Session, since: float, worker_id: str | None = None
+) -> list[EngineWindow]:
+    """Chunks that ended after ``since`` (unix seconds), summed per model, worker and device;
+    only ``worker_id``'s if given."""
+    query = (
+        select(
+            EngineChunk.model,
+            EngineChunk.worker_id,
+            EngineChunk.device,
+            func.sum(EngineChunk.busy_seconds),
+            func.sum(EngineChunk.requests),
+            func.sum(EngineChunk.prompt_tokens),
+            func.sum(EngineChunk.cached_tokens),
+            func.sum(EngineChunk.completion_tokens),
+        )
+        .where(
+            EngineChunk.started_at >= since - MAX_CHUNK_SECONDS,
+            EngineChunk.ended_at > since,
+        )
+        .group_by(EngineChunk.model, EngineChunk.worker_id, EngineChunk.device)
+    )
+    if worker_id is not None:
+        query = query.where(EngineChunk.worker_id == worker_id)
+    return [
+        EngineWindow(
+            model, worker, device, float(busy), int(n), int(prompt), int(cached), int(completion)
+        )
+        for model, worker, device, busy, n, prompt, cached, completion in session.execute(query)
+    ]
+
+
+def throughput_series(
+    session: Session, since: float, bucket_seconds: int
+) -> list[tuple[int, str, int, int]]:
+    """``(bucket start, model, prompt tokens, completion tokens)`` of chunks that ended after
+    ``since``, in buckets of ``bucket_seconds`` by their end time."""
+    bucket = cast(func.floor(EngineChunk.ended_at / bucket_seconds), Float) * bucket_seconds
+    rows = session.execute(
+        select(
+            bucket,
+            EngineChunk.model,
+            func.sum(EngineChunk.prompt_tokens),
+            func.sum(EngineChunk.completion_tokens),
+        )
+        .where(
+            EngineChunk.started_at >= since - MAX_CHUNK_SECONDS,
+            EngineChunk.ended_at > since,
+        )
+        .group_by(bucket, EngineChunk.model)
+        .order_by(bucket)
+    )
+    return [(int(b), model, int(p), int(c)) for b, model, p, c in rows]
+
+
+def scheduler_state(session: Session) -> dict[str, Any]:
+    """The ``paused``, ``paused:<pool>`` and ``load:<pool>`` entries of ``scheduler_state``:
+    key → value."""
+    rows = session.execute(
+        select(SchedulerState.key, SchedulerState.value).where(
+            or_(
+                SchedulerState.key == PAUSED_KEY,
+                SchedulerState.key.startswith(PAUSED_PREFIX),
+                SchedulerState.key.startswith(LOAD_PREFIX),
+            )
+        )
+    )
+    return {key: value for key, value in rows}
+
+
+def pauses(state: dict[str, Any]) -> dict[str, bool]:
+    """``pool → paused`` from ``scheduler_state`` entries; ``*`` is the switch for every pool."""
+    out = {"*": paused_of(state.get(PAUSED_KEY))}
+    for key, value in state.items():
+        if key.startswith(PAUSED_PREFIX):
+            out[key[len(PAUSED_PREFIX) :]] = paused_of(value)
+    return out
+
+
+def add_load_samples(session: Session, samples: Iterable[dict[str, Any]]) -> None:
+    """Insert ``{at, source, load, paused}`` rows."""
+    rows = list(samples)
+    if rows:
+        session.execute(insert(LoadSample), rows)
+
+
+def prune_load_samples(session: Session, before: float) -> int:
+    result = session.execute(delete(LoadSample).where(LoadSample.at < before))
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+def load_series(session: Session, since: float) -> list[tuple[float, str, float, bool]]:
+    """``(at, source, load, paused)`` samples taken after ``since``, oldest first."""
+    rows = session.execute(
+        select(LoadSample.at, LoadSample.source, LoadSample.load, LoadSample.paused)
+        .where(LoadSample.at > since)
+        .order_by(LoadSample.at)
+    )
+    return [(float(at), source, float(load), bool(paused)) for at, source, load, paused in rows]
+
+
+def load_of(value: Any) -> float | None:
+    """The load reading in a ``load:<source>`` value: a number, or the ``load`` (else ``value``)
+    member of an object; ``None`` if there is none."""
+    if isinstance(value, dict):
+        value = value.get("load", value.get("value"))
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def paused_of(value: Any) -> bool:
+    """The switch in the ``paused`` value: a boolean, or the ``paused`` (else ``value``) member of
+    an object."""
+    if isinstance(value, dict):
+        value = value.get("paused", value.get("value"))
+    return bool(value)

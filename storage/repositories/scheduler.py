@@ -1,0 +1,210 @@
+"""The scheduler's reads and writes: shared state (the admin pause switch, load readings), the
+backlog and throughput behind each batch's slack, the estimates shown on batches, and worker
+heartbeats.
+
+``scheduler_state`` keys: ``paused`` (every pool) and ``paused:<pool>`` hold the admin switch
+(``{"paused", "hard", "reason", "at"}``); ``load:<pool>`` the pool's last load reading
+(``{"load", "parts", "errors", "paused", "gate_open", "worker", ...}``). The metrics and the
+dashboard read the same keys (``storage.repositories.metrics``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import bindparam, delete, func, select, update
+from sqlalchemy.orm import Session
+
+from storage.models import Batch, EngineChunk, SchedulerState, WorkerRecord
+
+PAUSE_ALL = "paused"
+
+
+def pause_key(pool: str | None) -> str:
+    """The state key of the pause switch of ``pool``; ``None`` or ``"*"``: every pool."""
+    return PAUSE_ALL if pool in (None, "", "*") else f"{PAUSE_ALL}:{pool}"
+
+
+def load_key(pool: str) -> str:
+    return f"load:{pool}"
+
+
+# --- Shared state -----------------------------------------------------------------------------
+
+
+def get_states(session: Session, keys: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """``key → value`` for the keys that exist."""
+    key_list = list(keys)
+    if not key_list:
+        return {}
+    rows = session.execute(
+        select(SchedulerState.key, SchedulerState.value).where(SchedulerState.key.in_(key_list))
+    )
+    return {key: value for key, value in rows}
+
+
+def states_with_prefix(session: Session, prefix: str) -> dict[str, tuple[dict[str, Any], float]]:
+    """``key → (value, updated_at)`` of every key starting with ``prefix``."""
+    rows = session.execute(
+        select(SchedulerState.key, SchedulerState.value, SchedulerState.updated_at).where(
+            SchedulerState.key.startswith(prefix)
+        )
+    )
+    return {key: (value, updated_at) for key, value, updated_at in rows}
+
+
+def put_state(session: Session, key: str, value: dict[str, Any], at: float) -> None:
+    """Create or replace ``key``."""
+    row = session.get(SchedulerState, key)
+    if row is None:
+        session.add(SchedulerState(key=key, value=value, updated_at=at))
+    else:
+        row.value, row.updated_at = value, at
+    session.flush()
+
+
+def delete_state(session: Session, key: str) -> bool:
+    """Remove ``key``; whether it existed."""
+    result = session.execute(
+        delete(SchedulerState)
+        .where(SchedulerState.key == key)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(result.rowcount)
+
+
+# --- Backlog, throughput and estimates --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchBacklog:
+    """A running batch as the slack sees it: its deadline and how much is left.
+
+    Counts come from the batch row, which every flush keeps current (``refresh_counts``), so no
+    request row is read. ``output_tokens / completed`` is the batch's own tokens per line so far.
+    """
+
+    batch_id: str
+    expires_at: float
+    completion_window: str
+    total: int
+    completed: int
+    failed: int
+    output_tokens: int
+
+    @property
+    def remaining(self) -> int:
+        """Lines not finished yet (pending or running)."""
+        return max(0, self.total - self.completed - self.failed)
+
+
+def backlog(session: Session, model: str) -> list[BatchBacklog]:
+    """Every ``in_progress`` batch of ``model``, earliest deadline first."""
+    rows = session.execute(
+        select(
+            Batch.id,
+            Batch.expires_at,
+            Batch.completion_window,
+            Batch.total,
+            Batch.completed,
+            Batch.failed,
+            Batch.output_tokens,
+        )
+        .where(Batch.model == model, Batch.status == "in_progress")
+        .order_by(Batch.expires_at, Batch.id)
+    )
+    return [BatchBacklog(*row) for row in rows]
+
+
+@dataclass(frozen=True)
+class EngineHistory:
+    """Engine chunks of one model since some time: tokens, busy seconds and the device."""
+
+    requests: int
+    completion_tokens: int
+    busy_seconds: float
+    device: str | None
+
+
+def engine_history(session: Session, model: str, since: float) -> EngineHistory:
+    """Totals of ``model``'s engine chunks that ended at or after ``since`` (unix seconds)."""
+    row = session.execute(
+        select(
+            func.coalesce(func.sum(EngineChunk.requests), 0),
+            func.coalesce(func.sum(EngineChunk.completion_tokens), 0),
+            func.coalesce(func.sum(EngineChunk.busy_seconds), 0.0),
+            func.max(EngineChunk.device),
+        ).where(EngineChunk.model == model, EngineChunk.ended_at >= since)
+    ).one()
+    return EngineHistory(int(row[0]), int(row[1]), float(row[2]), row[3])
+
+
+def set_estimates(session: Session, estimates: Mapping[str, float | None]) -> None:
+    """Store ``batch_id → estimated_completion_at`` (unix seconds, or ``None``)."""
+    if not estimates:
+        return
+    statement = (
+        update(Batch)
+        .where(Batch.id == bindparam("batch_id"))
+        .values(estimated_completion_at=bindparam("eta"))
+    )
+    session.connection().execute(
+        statement, [{"batch_id": b, "eta": eta} for b, eta in estimates.items()]
+    )
+
+
+# --- Workers ----------------------------------------------------------------------------------
+
+
+def heartbeat(session: Session, worker_id: str, at: float) -> None:
+    """Mark a registered worker alive at ``at`` (no-op for one never registered)."""
+    session.execute(
+        update(WorkerRecord)
+        .where(WorkerRecord.id == worker_id)
+        .values(heartbeat_at=at)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def live_workers(session: Session, model: str, since: float) -> int:
+    """Ready workers serving ``model`` whose heartbeat is at or after ``since``."""
+    rows = session.scalars(
+        select(WorkerRecord.models).where(
+            WorkerRecord.ready.is_(True), WorkerRecord.heartbeat_at >= since
+        )
+    )
+    return sum(1 for models in rows if model in (models or []))
+
+
+@dataclass(frozen=True)
+class RunningBatch:
+    """A running batch with the scheduler's estimate, for the admin view."""
+
+    batch_id: str
+    model: str | None
+    expires_at: int
+    estimated_completion_at: float | None
+    total: int
+    completed: int
+    failed: int
+
+
+def running_batches(session: Session, limit: int = 500) -> list[RunningBatch]:
+    """Up to ``limit`` ``in_progress`` batches, earliest deadline first."""
+    rows = session.execute(
+        select(
+            Batch.id,
+            Batch.model,
+            Batch.expires_at,
+            Batch.estimated_completion_at,
+            Batch.total,
+            Batch.completed,
+            Batch.failed,
+        )
+        .where(Batch.status == "in_progress")
+        .order_by(Batch.expires_at, Batch.id)
+        .limit(limit)
+    )
+    return [RunningBatch(*row) for row in rows]

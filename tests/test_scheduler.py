@@ -1,0 +1,369 @@
+"""The scheduler on real PostgreSQL, with engines that stand in for vLLM (these tests are about
+when and how much batch work runs, not about the model) and the load read from a real HTTP
+endpoint serving Prometheus text: yield and resume with hysteresis, urgent batches under high
+load, hard pause, top-up claims and sizing, prefix ordering, slack on the batch object, expiry,
+and a 60-second window kept under high load."""
+
+from __future__ import annotations
+
+import io
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+
+import orjson
+import pytest
+from fastapi.testclient import TestClient
+from openai import OpenAI
+from sqlalchemy import func, select, update
+
+from api.app import create_app
+from api.schemas import CreateBatch
+from api.services import batches as batches_service
+from api.services import files as files_service
+from api.services import keys
+from offpeak.settings import ModelConfig, SchedulerSettings, Settings
+from storage.blobs import get_blob_store
+from storage.db import session_scope
+from storage.models import Batch, RequestLine
+from storage.repositories import scheduler as scheduler_repo
+from tests.conftest import new_key
+from tests.helpers import check_ran_batch
+from tests.scheduler_support import MetricsEndpoint, decoding_engine, metrics_endpoint
+from workers.finalize import finalize
+from workers.planner import StepModel
+from workers.runner import Runner, sweep_estimates
+from workers.scheduler.simulation import SimEngine
+from workers.scheduler.store import DbStore
+from workers.validation import run_validation
+
+
+@pytest.fixture()
+def model() -> str:
+    """A model of the test's own: the slack reads the model's engine history, which other
+    tests' work must not change."""
+    return f"sched-{secrets.token_hex(3)}"
+
+
+@pytest.fixture()
+def endpoint() -> Iterator[MetricsEndpoint]:
+    with metrics_endpoint() as e:
+        yield e
+
+
+@pytest.fixture()
+def settings(settings: Settings, endpoint: MetricsEndpoint, model: str) -> Settings:
+    """Prometheus load from ``endpoint``, read every 0.1 s; a pool of the test's own, so a pause
+    elsewhere in the session cannot reach it."""
+    policy = SchedulerSettings.model_validate(
+        {
+            "pool": f"pool-{secrets.token_hex(3)}",
+            "load_signals": ["prometheus"],
+            "prometheus": {"url": endpoint.url, "timeout_seconds": 1.0},
+            "load_poll_seconds": 0.1,
+            "estimate_seconds": 0.5,
+        }
+    )
+    return settings.model_copy(
+        update={
+            "models": {model: ModelConfig(engine="instant", max_num_seqs=16)},
+            "flush_seconds": 0.2,
+            "scheduler": policy,
+        }
+    )
+
+
+def with_policy(settings: Settings, **changes: object) -> Settings:
+    policy = settings.scheduler.model_copy(update=changes)
+    return settings.model_copy(update={"scheduler": policy})
+
+
+@pytest.fixture()
+def tenant(settings: Settings) -> tuple[str, OpenAI]:
+    key = new_key(settings)
+    with session_scope(settings.resolved_database_url) as session:
+        found = keys.tenant_for_key(session, key)
+        assert found is not None
+        name = found.name
+    client = TestClient(create_app(settings))
+    sdk = OpenAI(base_url="http://testserver/v1", api_key=key, http_client=client, max_retries=0)
+    return name, sdk
+
+
+def chat(
+    model: str, custom_id: str, content: str, max_tokens: int, system: str | None = None
+) -> bytes:
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": content})
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens}
+    return orjson.dumps(
+        {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    )
+
+
+def make_batch(settings: Settings, tenant: str, lines: list[bytes], window: str = "24h") -> str:
+    """Upload, create (with ``window``) and validate a batch; returns its id (in_progress)."""
+    blobs = get_blob_store(settings.resolved_blob_url)
+    with session_scope(settings.resolved_database_url) as session:
+        owner = keys.ensure_tenant(session, tenant)
+        file = files_service.upload(
+            session,
+            blobs,
+            settings,
+            tenant_id=owner.id,
+            stream=io.BytesIO(b"\n".join(lines)),
+            filename="in.jsonl",
+            purpose="batch",
+            expires_after_seconds=None,
+        )
+        batch = batches_service.create(
+            session,
+            settings,
+            owner.id,
+            CreateBatch(
+                input_file_id=file.id, endpoint="/v1/chat/completions", completion_window=window
+            ),
+        )
+        session.info.pop("after_commit", None)  # the test runs the validation itself
+    run_validation(settings, blobs, batch.id)
+    return batch.id
+
+
+def counts(settings: Settings, batch_id: str) -> dict[str, int]:
+    with session_scope(settings.resolved_database_url) as session:
+        rows = session.execute(
+            select(RequestLine.status, func.count())
+            .where(RequestLine.batch_id == batch_id)
+            .group_by(RequestLine.status)
+        )
+        return {status: n for status, n in rows}
+
+
+def end(settings: Settings, sdk: OpenAI, batch_id: str, ids: list[str]):  # type: ignore[no-untyped-def]
+    assert finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id).done
+    batch = sdk.batches.retrieve(batch_id)
+    check_ran_batch(sdk, batch, ids)
+    return batch
+
+
+def test_yields_when_load_rises_and_resumes_only_below_low_water(
+    settings: Settings, model: str, tenant: tuple[str, OpenAI], endpoint: MetricsEndpoint
+) -> None:
+    name, sdk = tenant
+    ids = [f"r{i}" for i in range(64)]
+    batch_id = make_batch(settings, name, [chat(model, i, "Hi", 60) for i in ids])
+    engine = decoding_engine(model, max_num_seqs=8, base_ms=4)
+    runner = Runner(settings, engine, "w-yield")
+    endpoint.set(kv=0.1)
+    outcome: list[object] = []
+    worker = threading.Thread(target=lambda: outcome.append(runner.drain()))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while counts(settings, batch_id).get("succeeded", 0) < 8:
+        assert time.monotonic() < deadline, "the first lines never finished"
+        time.sleep(0.02)
+    endpoint.set(kv=0.9)  # real-time traffic arrives
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the runner did not yield"
+    [stats] = outcome
+    assert stats.outcome == "yielded" and stats.aborted > 0  # type: ignore[attr-defined]
+    after_yield = counts(settings, batch_id)
+    assert "running" not in after_yield, "aborted lines must go back to pending"
+    with session_scope(settings.resolved_database_url) as session:
+        attempts = session.scalars(
+            select(RequestLine.attempts).where(
+                RequestLine.batch_id == batch_id, RequestLine.status == "pending"
+            )
+        ).all()
+    assert set(attempts) == {0}, "a yield is not a failed attempt"
+
+    endpoint.set(kv=0.45)  # fallen below high-water, but not to low-water: still yielding
+    stats = runner.drain()
+    assert stats.outcome == "yielded" and stats.requests == 0
+    assert counts(settings, batch_id) == after_yield  # finished lines kept, nothing new ran
+
+    endpoint.set(kv=0.2)
+    stats = runner.drain()
+    assert stats.outcome == "drained"
+    batch = end(settings, sdk, batch_id, ids)
+    assert batch.status == "completed" and batch.request_counts.completed == 64
+
+
+def test_urgent_batch_runs_under_high_load_and_a_hard_pause_stops_it(
+    settings: Settings,
+    model: str,
+    tenant: tuple[str, OpenAI],
+    endpoint: MetricsEndpoint,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    name, sdk = tenant
+    # Margin: half the window. The fallback step model says 0.8 tokens/s, so 10 lines of ~10
+    # tokens due in 60 s are urgent at once; the 24 h batch has hours to spare.
+    settings = with_policy(settings, urgent_margin_fraction=0.5, expected_completion_tokens=10)
+    urgent_ids = [f"u{i}" for i in range(10)]
+    urgent = make_batch(settings, name, [chat(model, i, "Hi", 10) for i in urgent_ids], "60s")
+    relaxed = make_batch(settings, name, [chat(model, f"r{i}", "Hi", 10) for i in range(10)])
+    endpoint.set(waiting=20)  # load 2.0: far above high-water
+    store = DbStore(settings.resolved_database_url)
+    runner = Runner(
+        settings,
+        decoding_engine(model, max_num_seqs=8),
+        "w-urgent",
+        store=store,
+        step_model=StepModel(base_ms=10_000, per_seq_ms=0),
+    )
+    with session_scope(settings.resolved_database_url) as session:
+        scheduler_repo.put_state(
+            session,
+            scheduler_repo.pause_key(settings.scheduler.pool),
+            {"paused": True, "hard": True, "reason": "test"},
+            time.time(),
+        )
+    stats = runner.drain()
+    assert stats.outcome == "yielded" and stats.requests == 0  # hard pause: not even urgent
+    assert urgent in runner.urgent_seen and relaxed not in runner.urgent_seen
+
+    with session_scope(settings.resolved_database_url) as session:
+        scheduler_repo.delete_state(session, scheduler_repo.pause_key(settings.scheduler.pool))
+    with caplog.at_level(logging.INFO, logger="workers"):
+        stats = runner.drain()
+    assert stats.outcome == "yielded"  # load still high: the relaxed batch waits
+    assert counts(settings, urgent) == {"succeeded": 10}
+    assert counts(settings, relaxed) == {"pending": 10}
+    assert f"batch {urgent} is urgent" in caplog.text
+    batch = end(settings, sdk, urgent, urgent_ids)
+    assert batch.status == "completed"
+
+
+def test_claims_top_up_while_decoding_and_sizing_follows_the_requests(
+    settings: Settings, model: str, tenant: tuple[str, OpenAI], caplog: pytest.LogCaptureFixture
+) -> None:
+    name, sdk = tenant
+
+    class CountingStore(DbStore):
+        held_at_claim: list[int] = []
+
+        def claim(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            self.held_at_claim.append(engine.num_unfinished())
+            return super().claim(*args, **kwargs)
+
+    # A KV cache of 4,096 tokens: short requests fit 16 at once (the engine's max_num_seqs),
+    # requests of ~500 tokens only 7.
+    engine = decoding_engine(model, max_num_seqs=16, kv_cache_tokens=4096)
+    short_ids = [f"s{i}" for i in range(100)]
+    long_ids = [f"l{i}" for i in range(20)]
+    short = make_batch(settings, name, [chat(model, i, "Hi", 20) for i in short_ids])
+    store = CountingStore(settings.resolved_database_url)
+    runner = Runner(settings, engine, "w-sizing", store=store)
+    with caplog.at_level(logging.INFO, logger="workers.runner"):
+        runner.drain()
+        long = make_batch(settings, name, [chat(model, i, "Hi", 500) for i in long_ids])
+        runner.drain()
+    sizing = [r.getMessage() for r in caplog.records if "sizing:" in r.getMessage()]
+    assert any("engine slots 16" in m for m in sizing), sizing
+    assert any("engine slots 7" in m for m in sizing), sizing
+    assert any(n > 0 for n in store.held_at_claim), "no claim topped up a running engine"
+    assert max(store.held_at_claim) <= 2 * 16  # never more than slots x queue_depth held
+    end(settings, sdk, short, short_ids)
+    end(settings, sdk, long, long_ids)
+
+
+def test_chunk_runs_prompts_with_a_shared_prefix_together(
+    settings: Settings, model: str, tenant: tuple[str, OpenAI], caplog: pytest.LogCaptureFixture
+) -> None:
+    name, sdk = tenant
+    added: list[str] = []
+
+    class Recording(SimEngine):
+        def add(self, request):  # type: ignore[no-untyped-def]
+            added.append(bytes(request.prompt_token_ids).decode()[:20])
+            super().add(request)
+
+    engine = decoding_engine(model, max_num_seqs=64)
+    engine.__class__ = Recording
+    a = "You are a careful translator from French to English. " * 3
+    b = "You are a terse assistant who answers in one word only. " * 3
+    # The two system prompts alternate in the file.
+    lines = [chat(model, f"q{i}", f"question {i}", 5, a if i % 2 else b) for i in range(30)]
+    batch_id = make_batch(settings, name, lines)
+    with caplog.at_level(logging.INFO, logger="workers.runner"):
+        stats = Runner(settings, engine, "w-prefix").drain()
+    switches = sum(1 for x, y in zip(added, added[1:], strict=False) if x != y)
+    assert len(added) == 30 and switches == 1, added
+    assert stats.cached_tokens > 0 and stats.prefix_hit_rate > 0.5
+    assert "prefix-cache hit rate" in caplog.text
+    end(settings, sdk, batch_id, [f"q{i}" for i in range(30)])
+
+
+def test_batch_object_shows_slack_and_estimated_completion(
+    settings: Settings, model: str, tenant: tuple[str, OpenAI]
+) -> None:
+    name, sdk = tenant
+    batch_id = make_batch(settings, name, [chat(model, f"r{i}", "Hi", 10) for i in range(5)])
+    assert getattr(sdk.batches.retrieve(batch_id), "slack_seconds", None) is None
+    at = time.time()
+    sweep_estimates(settings, [model], at)
+    batch = sdk.batches.retrieve(batch_id)
+    eta, slack = batch.estimated_completion_at, batch.slack_seconds  # type: ignore[attr-defined]
+    assert at <= eta <= batch.expires_at
+    assert slack == pytest.approx(batch.expires_at - eta, abs=1.0) and slack > 0
+    admin = settings.model_copy(update={"admin_api_key": "adm"})
+    with TestClient(create_app(admin)) as client:
+        view = client.get("/v1/admin/scheduler", headers={"Authorization": "Bearer adm"}).json()
+    [row] = [b for b in view["batches"] if b["id"] == batch_id]
+    assert row["remaining"] == 5 and row["slack_seconds"] == pytest.approx(slack, abs=1.0)
+    Runner(settings, decoding_engine(model), "w-slack").drain()
+    end(settings, sdk, batch_id, [f"r{i}" for i in range(5)])
+    done = sdk.batches.retrieve(batch_id)
+    assert getattr(done, "slack_seconds", None) is None  # only running batches have one
+
+
+def test_lines_of_an_expired_batch_are_not_claimed(
+    settings: Settings, model: str, tenant: tuple[str, OpenAI]
+) -> None:
+    name, sdk = tenant
+    ids = [f"r{i}" for i in range(6)]
+    batch_id = make_batch(settings, name, [chat(model, i, "Hi", 5) for i in ids], "60s")
+    with session_scope(settings.resolved_database_url) as session:
+        past = int(time.time()) - 1  # the window ran out before any worker came by
+        session.execute(update(Batch).where(Batch.id == batch_id).values(expires_at=past))
+        session.execute(
+            update(RequestLine).where(RequestLine.batch_id == batch_id).values(deadline=past)
+        )
+    stats = Runner(settings, decoding_engine(model), "w-expired").drain()
+    assert stats.requests == 0 and counts(settings, batch_id) == {"pending": 6}
+    batch = end(settings, sdk, batch_id, ids)
+    assert batch.status == "expired"
+    assert batch.request_counts.failed == 6 and batch.output_file_id is None
+
+
+def test_work_that_fits_finishes_inside_a_60s_window_under_high_load(
+    settings: Settings, model: str, tenant: tuple[str, OpenAI], endpoint: MetricsEndpoint
+) -> None:
+    """High load throughout: the batch waits while it has slack to spare, runs when its slack
+    reaches the margin (half the window here), and still ends inside its 60 s window."""
+    name, sdk = tenant
+    settings = with_policy(settings, urgent_margin_fraction=0.5, expected_completion_tokens=40)
+    endpoint.set(kv=0.95)
+    ids = [f"r{i}" for i in range(64)]
+    batch_id = make_batch(settings, name, [chat(model, i, "Hi", 40) for i in ids], "60s")
+    engine = decoding_engine(model, max_num_seqs=32, base_ms=10, per_seq_ms=0.4)
+    runner = Runner(settings, engine, "w-window", step_model=StepModel(10, 0.4))
+    created = sdk.batches.retrieve(batch_id).created_at
+    first_done: float | None = None
+    while time.time() < created + 75:
+        stats = runner.drain()  # as the sweep's drain messages would, every half second
+        done = counts(settings, batch_id).get("succeeded", 0)
+        if done and first_done is None:
+            first_done = time.time()
+        if done == 64:
+            break
+        assert stats.outcome == "yielded"
+        time.sleep(0.5)
+    batch = end(settings, sdk, batch_id, ids)
+    assert batch.status == "completed"
+    assert batch.completed_at is not None and batch.completed_at <= batch.expires_at
+    # It held back while slack was above the margin: nothing ran in the first 20 s.
+    assert first_done is not None and first_done >= created + 20

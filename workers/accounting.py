@@ -1,0 +1,131 @@
+"""Billing: once a batch has ended, write its bill to the ledger, exactly once.
+
+A bill prices the batch's finished lines only (expired and cancelled batches included): the
+tokens are the batch's ``usage``, which counts succeeded lines; the engine seconds are the chunk
+seconds attributed to it (``storage.repositories.ledger``); prices come from ``offpeak.pricing``
+and are frozen in the entry. The entry's key is ``batch:<id>`` and unique, so finalize run twice,
+a retried task and the sweep racing each other insert one row between them. ``finalize`` bills
+right after the batch's final status commits; ``bill_unbilled`` (every sweep) bills any ended
+batch whose billing step failed or never ran (a batch that failed validation never finalizes).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from decimal import Decimal
+
+from offpeak import pricing
+from offpeak.settings import Settings, window_seconds
+from storage.db import session_scope
+from storage.models import Batch
+from storage.repositories import batches as batches_repo
+from storage.repositories import ledger as ledger_repo
+from workers import metrics
+
+log = logging.getLogger(__name__)
+
+#: How far back (by creation time) the sweep looks for unbilled batches: longer than any window
+#: an operator would allow plus the time a broken billing step takes to be noticed and fixed.
+LOOKBACK_SECONDS = 35 * 86_400
+
+
+def ended_at(batch: Batch) -> int:
+    """The unix second the batch reached its final status."""
+    for stamp in (batch.completed_at, batch.expired_at, batch.cancelled_at, batch.failed_at):
+        if stamp is not None:
+            return stamp
+    return batch.finalizing_at or batch.created_at
+
+
+def _window(batch: Batch) -> int:
+    try:
+        return window_seconds(batch.completion_window)
+    except ValueError:
+        return 0
+
+
+def _money(amount: float) -> Decimal:
+    return Decimal(str(round(amount, pricing.MONEY_DIGITS)))
+
+
+def bill_batch(settings: Settings, batch_id: str) -> bool:
+    """Bill an ended batch unless the ledger already has its bill.
+
+    Returns True if this call wrote the entry, False if the batch is unknown, has not ended, or
+    was billed before. Database errors propagate (``bill_safely`` logs them instead).
+    """
+    with session_scope(settings.resolved_database_url) as session:
+        batch = batches_repo.get_any(session, batch_id)
+        if batch is None or batch.status not in ledger_repo.BILLABLE_STATUSES:
+            return False
+        if ledger_repo.entries_for(session, [batch_id]):
+            return False
+        weights = pricing.token_weights(settings)
+        seconds = ledger_repo.attributed_seconds(session, [batch_id], weights).get(batch_id, {})
+        billed_at = time.time()
+        figures = pricing.bill(
+            settings,
+            batch.model,
+            seconds,
+            batch.input_tokens,
+            batch.cached_tokens,
+            batch.output_tokens,
+            billed_at=billed_at,
+        )
+        inserted = ledger_repo.insert_once(
+            session,
+            {
+                "key": ledger_repo.batch_key(batch.id),
+                "tenant_id": batch.tenant_id,
+                "batch_id": batch.id,
+                "model": batch.model,
+                "status": batch.status,
+                "created_at": batch.created_at,
+                "ended_at": ended_at(batch),
+                "window_seconds": _window(batch),
+                "billed_at": billed_at,
+                "requests": batch.completed,
+                "input_tokens": batch.input_tokens,
+                "cached_tokens": batch.cached_tokens,
+                "output_tokens": batch.output_tokens,
+                "gpu_seconds": figures.gpu_seconds,
+                "cost": _money(figures.cost),
+                "price": _money(figures.price),
+                "realtime_price": _money(figures.realtime_price),
+            },
+        )
+        share = (ended_at(batch) - batch.created_at) / _window(batch) if _window(batch) else None
+        status = batch.status
+    if inserted:
+        metrics.observe_billed(status, share if status == "completed" else None)
+        log.info(
+            "billed %s (%s): %.3f GPU-s, cost $%.6f, price $%.6f (real-time $%.6f)",
+            batch_id,
+            status,
+            figures.gpu_seconds,
+            figures.cost,
+            figures.price,
+            figures.realtime_price,
+        )
+    return inserted
+
+
+def bill_safely(settings: Settings, batch_id: str) -> bool:
+    """``bill_batch`` for callers that must not fail with it (finalize): an error is logged and
+    counted, and the sweep bills the batch later."""
+    try:
+        return bill_batch(settings, batch_id)
+    except Exception:
+        metrics.observe_billing_failure()
+        log.exception("billing %s failed; the sweep will retry", batch_id)
+        return False
+
+
+def bill_unbilled(settings: Settings, limit: int = 500) -> int:
+    """Bill ended batches that have no ledger entry yet (run by every sweep). Returns the number
+    billed; a batch that fails again is logged and left for the next sweep."""
+    since = int(time.time()) - LOOKBACK_SECONDS
+    with session_scope(settings.resolved_database_url) as session:
+        pending = ledger_repo.unbilled_ended(session, since, limit)
+    return sum(bill_safely(settings, batch_id) for batch_id in pending)

@@ -1,0 +1,135 @@
+"""Slack and urgency: will each batch finish inside its window if batch work keeps running?
+
+Batches of a model run earliest deadline first, so a batch finishes only after every batch due
+before it. Its estimated completion time is therefore ``now + (tokens left in it and in every
+batch due no later) / throughput``, and its slack is ``expires_at`` minus that. A batch whose
+slack falls below its margin is urgent: it runs even while real-time load is high.
+
+- Tokens left = lines left × completion tokens per line. Lines that finish first are the short
+  ones, so a batch's own average starts low; it is blended with the model's average over
+  ``throughput_window_seconds`` (or ``expected_completion_tokens`` before there is one) in
+  proportion to the share of the batch still to run.
+- Throughput = tokens generated per second of engine stepping: the runner's own measurement
+  (one token per running sequence per step, decayed over about five minutes of stepping) when
+  it has one, else completion tokens per busy second of the model's engine chunks, else the
+  calibrated (or the seed's) step model at the engine's batch size; times the live workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from offpeak.settings import SchedulerSettings, window_seconds
+from storage.repositories.scheduler import BatchBacklog, EngineHistory
+from workers.planner import StepModel
+
+#: Lines of a batch that must have finished before its own tokens per line are trusted.
+OWN_AVERAGE_AFTER = 5
+#: Completion tokens of recent engine work needed before a measured rate replaces the model.
+MEASURED_AFTER_TOKENS = 2000
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One batch's estimate at ``at`` (unix seconds)."""
+
+    batch_id: str
+    at: float
+    expires_at: float
+    remaining_lines: int
+    remaining_tokens: float
+    estimated_completion_at: float
+    margin_seconds: float
+
+    @property
+    def slack_seconds(self) -> float:
+        """Seconds between the estimated completion and ``expires_at``; negative: late."""
+        return self.expires_at - self.estimated_completion_at
+
+    @property
+    def urgent(self) -> bool:
+        return self.slack_seconds < self.margin_seconds
+
+
+def margin_seconds(window: str, settings: SchedulerSettings) -> float:
+    """A batch's safety margin: ``urgent_margin_fraction × window + urgent_margin_seconds``.
+
+    A window this server no longer parses counts as 24 h.
+    """
+    try:
+        length = window_seconds(window)
+    except ValueError:
+        length = 86_400
+    return settings.urgent_margin_fraction * length + settings.urgent_margin_seconds
+
+
+def tokens_per_second(
+    history: EngineHistory,
+    fallback: StepModel,
+    slots: int,
+    workers: int = 1,
+    local: float | None = None,
+) -> float:
+    """Completion tokens per second the model's workers achieve together.
+
+    ``local`` (tokens/s this runner measured) first; else measured over ``history`` once it
+    covers ``MEASURED_AFTER_TOKENS``; else ``fallback`` at ``slots`` sequences per step.
+    ``workers`` below 1 counts as 1 (the work waits for one).
+    """
+    if local is not None and local > 0:
+        per_engine = local
+    elif history.completion_tokens >= MEASURED_AFTER_TOKENS and history.busy_seconds > 0:
+        per_engine = history.completion_tokens / history.busy_seconds
+    else:
+        per_engine = fallback.total_tokens_per_s(max(1, slots))
+    return per_engine * max(1, workers)
+
+
+def tokens_per_line(history: EngineHistory, default: int) -> float:
+    """The model's completion tokens per finished line over ``history``, or ``default``."""
+    if history.requests >= OWN_AVERAGE_AFTER:
+        return history.completion_tokens / history.requests
+    return float(default)
+
+
+def batch_tokens_per_line(batch: BatchBacklog, model_tokens_per_line: float) -> float:
+    """The batch's own average weighted by its finished share, the model's by the rest."""
+    if batch.completed < OWN_AVERAGE_AFTER or batch.total <= 0:
+        return model_tokens_per_line
+    done = min(1.0, (batch.completed + batch.failed) / batch.total)
+    own = batch.output_tokens / batch.completed
+    return done * own + (1 - done) * model_tokens_per_line
+
+
+def estimate(
+    backlog: Sequence[BatchBacklog],
+    at: float,
+    throughput: float,
+    model_tokens_per_line: float,
+    settings: SchedulerSettings,
+) -> list[Estimate]:
+    """Estimates for ``backlog`` (any order; computed earliest deadline first).
+
+    ``throughput`` is completion tokens per second (``tokens_per_second``); raises
+    ``ValueError`` when it is not positive.
+    """
+    if throughput <= 0:
+        raise ValueError("throughput must be positive tokens/s")
+    ahead = 0.0
+    estimates = []
+    for batch in sorted(backlog, key=lambda b: (b.expires_at, b.batch_id)):
+        tokens = batch.remaining * batch_tokens_per_line(batch, model_tokens_per_line)
+        ahead += tokens
+        estimates.append(
+            Estimate(
+                batch_id=batch.batch_id,
+                at=at,
+                expires_at=float(batch.expires_at),
+                remaining_lines=batch.remaining,
+                remaining_tokens=tokens,
+                estimated_completion_at=at + ahead / throughput,
+                margin_seconds=margin_seconds(batch.completion_window, settings),
+            )
+        )
+    return estimates
