@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api.errors import install_error_handlers
+from api.limits import BodyLimitMiddleware
 from api.routes import admin, batches, dashboard, files, metrics, models, usage
 from api.services import keys
 from offpeak import __version__
@@ -29,6 +30,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Offpeak", version=__version__, lifespan=lifespan)
     app.state.settings = settings
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_file_bytes=settings.max_file_bytes)
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(models.router)

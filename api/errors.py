@@ -8,6 +8,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from offpeak.wire import error_object
@@ -80,6 +81,9 @@ def install_error_handlers(app: FastAPI) -> None:
             return JSONResponse(body, status_code=422)
         param = _param_from_loc(loc)
         kind = first.get("type", "")
+        if param is None:
+            message = "The request body must be a JSON object."
+            return JSONResponse(error_object(message, code="invalid_value"), status_code=400)
         if kind == "missing":
             message = f"Missing required parameter: '{param}'."
             code = "missing_required_parameter"
@@ -87,6 +91,13 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}."
             code = "invalid_value"
         return JSONResponse(error_object(message, param=param, code=code), status_code=400)
+
+    @app.exception_handler(DataError)
+    async def _data_error(_request: Request, _exc: DataError) -> JSONResponse:
+        # The database refused a value the client sent (a NUL character, an over-long string):
+        # a bad value, not a server fault. The session has already rolled back.
+        message = "A value in the request cannot be stored or looked up (e.g. a NUL character)."
+        return JSONResponse(error_object(message, code="invalid_value"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:

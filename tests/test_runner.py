@@ -265,3 +265,28 @@ def test_sweep_finds_batches_whose_finalize_was_lost(
     finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
     with session_scope(settings.resolved_database_url) as session:
         assert batch_id not in batches_repo.finished_but_running(session)
+
+
+def test_a_line_that_breaks_preparation_fails_alone(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers import serving
+
+    tenant, sdk = tenant_sdk
+    batch_id = make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(5)])
+    real, calls = serving.prepare, []
+
+    def flaky(request_id: str, endpoint: str, body: dict, engine: object, *a, **k):  # type: ignore[no-untyped-def]
+        calls.append(request_id)
+        if len(calls) == 1:  # the first line of the chunk hits a bug
+            raise RuntimeError("a bug in preparation")
+        return real(request_id, endpoint, body, engine, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(serving, "prepare", flaky)
+    runner(settings, InstantEngine(MODEL)).drain()
+    finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    batch = sdk.batches.retrieve(batch_id)
+    output, errors = check_ran_batch(sdk, batch, [f"r{i}" for i in range(5)])
+    assert batch.status == "completed" and len(output) == 4
+    assert errors[0]["response"]["status_code"] == 500
+    assert errors[0]["response"]["body"]["error"]["code"] == "internal_error"

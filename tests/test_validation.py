@@ -122,3 +122,11 @@ def test_iter_lines_across_chunk_boundaries() -> None:
     for size in range(1, len(data) + 1):
         chunks = (data[i : i + size] for i in range(0, len(data), size))
         assert list(iter_lines(chunks)) == [(1, b"ab"), (2, b"cd"), (3, b""), (4, b"ef")]
+
+
+def test_nul_in_custom_id_is_a_line_error(settings: Settings) -> None:
+    batch, rows = validate(settings, line("a") + b"\n" + line("x\x00y") + b"\n")
+    assert [(e["code"], e["line"], e["param"]) for e in batch.errors] == [
+        ("invalid_request", 2, "custom_id")
+    ]
+    assert rows == 0

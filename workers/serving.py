@@ -105,7 +105,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         raise LineError("'messages' must be a non-empty list.", "messages", "invalid_value")
     out = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in _ROLES:
             raise LineError(
                 f"Invalid 'messages[{i}]': each message needs a role ({', '.join(_ROLES)}).",
                 f"messages[{i}].role",
@@ -121,7 +122,13 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                         f"messages[{i}].content",
                         "unsupported_content",
                     )
-                texts.append(str(part.get("text", "")))
+                if not isinstance(part.get("text"), str):
+                    raise LineError(
+                        f"Invalid 'messages[{i}].content': a text part needs a string 'text'.",
+                        f"messages[{i}].content",
+                        "invalid_type",
+                    )
+                texts.append(part["text"])
             content = "".join(texts)
         elif content is None:
             content = ""
@@ -131,7 +138,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 f"messages[{i}].content",
                 "invalid_type",
             )
-        out.append({"role": _ROLES[message["role"]], "content": content})
+        out.append({"role": _ROLES[role], "content": content})
     return out
 
 
@@ -198,9 +205,15 @@ def prepare(
         max_tokens = _integer(body, "max_completion_tokens", 1)
         if max_tokens is None:
             max_tokens = _integer(body, "max_tokens", 1)
+        if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
+            raise LineError(
+                "Invalid type for 'logprobs': expected a boolean.", "logprobs", "invalid_type"
+            )
         top_logprobs = _integer(body, "top_logprobs", 0, 20)
         if top_logprobs is not None and body.get("logprobs") is not True:
-            raise LineError("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
+            raise LineError(
+                "'top_logprobs' requires 'logprobs' to be true.", "top_logprobs", "invalid_value"
+            )
         logprobs = (top_logprobs or 0) if body.get("logprobs") is True else None
     else:
         for name in ("echo", "suffix"):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from sqlalchemy.exc import DataError
 from sqlalchemy.orm import Session
 
 from offpeak import wire
@@ -92,6 +93,14 @@ class _Checker:
         if not isinstance(custom_id, str) or not custom_id:
             return wire.batch_error(
                 wire.INVALID_REQUEST, "custom_id must be a non-empty string.", number, "custom_id"
+            ), ""
+        if "\x00" in custom_id:
+            # Neither PostgreSQL text nor most clients' join keys survive a NUL character.
+            return wire.batch_error(
+                wire.INVALID_REQUEST,
+                "custom_id must not contain NUL characters.",
+                number,
+                "custom_id",
             ), ""
         if custom_id in self.custom_ids:
             return wire.batch_error(
@@ -256,7 +265,20 @@ def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str |
                 ]
             )
         else:
-            outcome = validate_into_rows(session, blobs, settings, batch, file.blob_key)
+            try:
+                outcome = validate_into_rows(session, blobs, settings, batch, file.blob_key)
+            except DataError as exc:
+                # The database refused a value the checks above let through: that is the
+                # file's problem, so the batch fails with a message rather than retrying forever.
+                log.warning("batch %s: the database refused a value: %s", batch_id, exc)
+                outcome = Outcome(
+                    errors=[
+                        wire.batch_error(
+                            wire.INVALID_REQUEST,
+                            f"A request line holds a value that cannot be stored: {exc.orig}",
+                        )
+                    ]
+                )
         if not outcome.errors:
             batch.status, batch.in_progress_at = "in_progress", now()
             batch.model, batch.total = outcome.model, outcome.total

@@ -4,23 +4,19 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Form, Query, Request, UploadFile
+from fastapi import APIRouter, Form, Query, UploadFile
 from fastapi.responses import StreamingResponse
 
 from api.deps import BlobsDep, CurrentTenant, SessionDep, SettingsDep
-from api.errors import BadRequest, PayloadTooLarge
+from api.errors import BadRequest
 from api.schemas import FileDeleted, FileList, FileObject
 from api.services import files as files_service
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
-#: Multipart framing around the file part; a Content-Length beyond limit + this is refused early.
-_MULTIPART_SLACK = 64 * 1024
-
 
 @router.post("", response_model=FileObject)
 def upload_file(
-    request: Request,
     session: SessionDep,
     blobs: BlobsDep,
     settings: SettingsDep,
@@ -30,11 +26,6 @@ def upload_file(
     expires_after_anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
     expires_after_seconds: Annotated[int | None, Form(alias="expires_after[seconds]")] = None,
 ) -> FileObject:
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > settings.max_file_bytes + _MULTIPART_SLACK:
-        raise PayloadTooLarge(
-            f"The file is larger than the limit of {settings.max_file_bytes} bytes.", param="file"
-        )
     if expires_after_anchor not in (None, "created_at"):
         raise BadRequest(
             "expires_after[anchor] must be 'created_at'.", param="expires_after.anchor"

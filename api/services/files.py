@@ -18,6 +18,7 @@ from storage.repositories import files as files_repo
 #: Purposes a client may upload with. Output and error files get ``batch_output``.
 UPLOAD_PURPOSES = ("batch",)
 DAY_SECONDS = 86_400
+MAX_FILENAME = 512  # the column's width
 #: OpenAI's bounds on ``expires_after[seconds]``: one hour to thirty days.
 MIN_EXPIRY_SECONDS, MAX_EXPIRY_SECONDS = 3600, 30 * DAY_SECONDS
 
@@ -55,6 +56,8 @@ def upload(
             f"Invalid purpose {purpose!r}: this server accepts {', '.join(UPLOAD_PURPOSES)}.",
             param="purpose",
         )
+    if len(filename) > MAX_FILENAME:
+        raise BadRequest(f"The filename is longer than {MAX_FILENAME} characters.", param="file")
     expires_in = settings.file_expiry_days * DAY_SECONDS
     if expires_after_seconds is not None:
         if not MIN_EXPIRY_SECONDS <= expires_after_seconds <= MAX_EXPIRY_SECONDS:
@@ -131,6 +134,9 @@ def content(session: Session, blobs: BlobStore, tenant_id: str, file_id: str) ->
 def delete(session: Session, blobs: BlobStore, tenant_id: str, file_id: str) -> None:
     """Delete the file's metadata (soft) and bytes; request rows already taken from it stay."""
     file = get(session, tenant_id, file_id)
+    session.refresh(file, with_for_update=True)  # concurrent deletes: exactly one succeeds
+    if file.deleted:
+        raise NotFound(f"No such File object: {file_id}", param="file_id")
     file.deleted = True
     session.flush()
     blobs.delete(file.blob_key)

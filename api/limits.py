@@ -1,0 +1,83 @@
+"""Request body limits enforced before the body is read, so an oversized upload is refused at
+once instead of being spooled to disk first."""
+
+from __future__ import annotations
+
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from offpeak.wire import error_object
+
+#: Multipart framing around the file part of an upload.
+MULTIPART_SLACK = 64 * 1024
+#: Every other body (batch create, cancel) is a small JSON object.
+JSON_BODY_LIMIT = 1 << 20
+
+
+class BodyLimitMiddleware:
+    """413 in OpenAI's error shape for a body over its limit: from ``Content-Length`` when the
+    client sends one, else by counting bytes as they arrive."""
+
+    def __init__(self, app: ASGIApp, max_file_bytes: int) -> None:
+        self.app = app
+        self.max_file_bytes = max_file_bytes
+
+    def _limit(self, path: str) -> int:
+        if path.rstrip("/") == "/v1/files":
+            return self.max_file_bytes + MULTIPART_SLACK
+        return JSON_BODY_LIMIT
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        limit = self._limit(scope["path"])
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            await self._refuse(send, limit)
+            return
+        received = 0
+        refused = False
+
+        async def counting_receive() -> Message:
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    # Answer now and tell the app the client left, so it stops reading; whatever
+                    # it tries to send afterwards is dropped.
+                    refused = True
+                    await self._refuse(send, limit)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            if not refused:
+                await send(message)
+
+        await self.app(scope, counting_receive, guarded_send)
+
+    @staticmethod
+    async def _refuse(send: Send, limit: int) -> None:
+        body = orjson.dumps(
+            error_object(
+                f"The request body is larger than the limit of {limit} bytes.",
+                param=None,
+                code="request_too_large",
+            )
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
