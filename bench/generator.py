@@ -45,13 +45,15 @@ _QUESTIONS = (
     "What causes the seasons on Earth?",
 )
 
-_WORDS = (
-    "system request batch engine token model memory cache worker queue latency throughput "
-    "river mountain garden window kitchen library station market harbor forest village "
-    "quickly slowly carefully often rarely always never sometimes together apart "
-    "build measure compare deliver improve record explain follow reduce balance "
-    "green bright quiet heavy narrow simple early modern local common "
-    "the a of to and in for with on by from at as into over under after before"
+_WORDS = " ".join(
+    (
+        "system request batch engine token model memory cache worker queue latency throughput",
+        "river mountain garden window kitchen library station market harbor forest village",
+        "quickly slowly carefully often rarely always never sometimes together apart",
+        "build measure compare deliver improve record explain follow reduce balance",
+        "green bright quiet heavy narrow simple early modern local common",
+        "the a of to and in for with on by from at as into over under after before",
+    )
 ).split()
 
 

@@ -24,9 +24,9 @@ import httpx
 import psutil
 import psycopg
 import redis
-from psycopg.conninfo import conninfo_to_dict
 from openai import OpenAI
 from openai.types import Batch
+from psycopg.conninfo import conninfo_to_dict
 from rich.console import Console
 from rich.table import Table
 

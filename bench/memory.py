@@ -18,9 +18,7 @@ from bench import control, harness
 FLAT_SLACK_MB = 20.0
 
 
-def run(
-    small: int = 5_000, large: int = 50_000, out_dir: Path | None = None
-) -> dict[str, Any]:
+def run(small: int = 5_000, large: int = 50_000, out_dir: Path | None = None) -> dict[str, Any]:
     """Measure both sizes; print the table, write ``memory.json``."""
     machine = harness.machine()
     runs = [control.measure(lines) for lines in (small, large)]

@@ -30,7 +30,8 @@ def draw(results: Path | None, output: Path) -> Path:
         legs = e2e["legs"]
         labels = ["(a) LLM.chat\ngeneration only", "(b) vllm run_batch\nwhole process",
                   "(c) Offpeak\nupload → download"]  # fmt: skip
-        values = [legs[k]["output_tokens_per_s"] for k in ("a_raw_engine", "b_run_batch", "c_offpeak")]  # fmt: skip
+        keys = ("a_raw_engine", "b_run_batch", "c_offpeak")
+        values = [legs[k]["output_tokens_per_s"] for k in keys]
         bars = e2e_ax.bar(labels, values, color=["#888888", "#c77c3a", "#2f6db5"])
         e2e_ax.bar_label(bars, fmt="%.0f")
         ratios = e2e["ratios"]

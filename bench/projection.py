@@ -62,7 +62,8 @@ def project(a: Assumptions | None = None) -> dict[str, Any]:
     kv = planner.kv_bytes_per_token(LLAMA_31_8B)
     weights = planner.weights_bytes(LLAMA_31_8B_PARAMETERS, planner.dtype_bytes("bfloat16"))
     usable = int(a.memory_bytes * a.gpu_memory_utilization - a.runtime_overhead_bytes)
-    memory = planner.plan_memory(usable, weights, kv, paged_avg_tokens=a.prompt_tokens + a.output_tokens)  # fmt: skip
+    need = a.prompt_tokens + a.output_tokens
+    memory = planner.plan_memory(usable, weights, kv, paged_avg_tokens=need)
     chunk = planner.MAX_NUM_SEQS_CAP
     batch, max_model_len, why = planner.choose_engine_limits(
         [a.prompt_tokens] * chunk,

@@ -1,6 +1,6 @@
 """Leg (a) of ``bench e2e``: the raw engine, in a process of its own.
 
-``python -m bench.raw_engine --input IN.jsonl --model-dir DIR --engine-json '{…}' --output OUT.json``
+``python -m bench.raw_engine --input IN --model-dir DIR --engine-json '{…}' --output OUT.json``
 loads ``vllm.LLM`` with the given engine arguments, warms it up with one short request, then times
 one ``LLM.chat`` over every request of the file (generation only: the model is already loaded)
 and writes the timing and each request's completion as JSON. A process of its own so its engine

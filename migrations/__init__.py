@@ -22,3 +22,19 @@ def alembic_config(database_url: str) -> Config:
 def upgrade(database_url: str, revision: str = "head") -> None:
     """Bring the database at ``database_url`` to ``revision`` (idempotent)."""
     command.upgrade(alembic_config(database_url), revision)
+
+
+def revisions(database_url: str) -> tuple[str | None, str | None]:
+    """``(the database's revision, the code's head revision)``; equal when migrated."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+    from sqlalchemy import create_engine, pool
+
+    head = ScriptDirectory.from_config(alembic_config(database_url)).get_current_head()
+    engine = create_engine(database_url, poolclass=pool.NullPool)
+    try:
+        with engine.connect() as connection:
+            current = MigrationContext.configure(connection).get_current_revision()
+    finally:
+        engine.dispose()
+    return current, head

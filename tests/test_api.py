@@ -263,3 +263,9 @@ def test_body_that_is_not_an_object(http: TestClient, api_key: str) -> None:
                          json=[1, 2])
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "The request body must be a JSON object."
+
+
+def test_api_refuses_to_start_on_an_unmigrated_database(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    empty = Settings(database_url=f"sqlite:///{tmp_path / 'empty.db'}", data_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="offpeak migrate"), TestClient(create_app(empty)):
+        pass

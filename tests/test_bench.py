@@ -26,7 +26,9 @@ def test_chat_requests_are_deterministic_and_mixed(tmp_path: Path) -> None:
     first, second = (chat_requests(256, model="m", max_tokens=64) for _ in range(2))
     assert first == second
     assert len({line["custom_id"] for line in first}) == 256
-    with_system = [line for line in first if line["body"]["messages"][0]["content"] == SYSTEM_PROMPT]
+    with_system = [
+        line for line in first if line["body"]["messages"][0]["content"] == SYSTEM_PROMPT
+    ]
     assert len(with_system) == 128
     assert {line["body"]["max_tokens"] for line in first} == {8, 16, 32, 64}
     assert {line["body"]["temperature"] for line in first} == {0}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from offpeak.cli import app
@@ -61,8 +62,9 @@ def test_hysteresis_keeps_a_noisy_load_from_flapping_the_gate() -> None:
 
 def test_load_curve_interpolates_and_repeats() -> None:
     curve = LoadCurve(diurnal_curve(trough=0.1, peak=0.9, peak_hour=14), noise=0.0)
-    assert curve.at(14 * 3600) == 0.9
-    assert curve.at(2 * 3600) == 0.1 + 0.0  # 12 h from the peak
+    assert curve.at(14 * 3600) == pytest.approx(0.9)
+    assert curve.at(2 * 3600) == pytest.approx(0.1)  # 12 h from the peak
+    assert curve.at(14.5 * 3600) == pytest.approx((curve.at(14 * 3600) + curve.at(15 * 3600)) / 2)
     assert curve.at(14 * 3600 + 86_400) == curve.at(14 * 3600)
 
 
@@ -77,6 +79,6 @@ def test_simulate_day_command_prints_the_figures() -> None:
         "inside their window",
         "batch tokens served",
         "valley idle capacity used",
-        "while load > high-water",
+        "batch work while load > high-water",
     ):
         assert phrase in table.output

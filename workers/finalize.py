@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import IO
 
 from sqlalchemy.orm import Session
 
@@ -45,52 +44,26 @@ class Step:
     retry_in: float | None = None
 
 
-#: Bytes of output lines gathered before one write to the blob store.
-WRITE_BYTES = 1 << 20
-
-
-class _Buffered:
-    """Lines (without their newline) gathered into ``WRITE_BYTES`` writes; ``size`` counts every
-    byte written, newlines included."""
-
-    def __init__(self, handle: IO[bytes]) -> None:
-        self.handle = handle
-        self.pending: list[bytes] = []
-        self.pending_bytes = 0
-        self.size = 0
-
-    def write(self, line: bytes) -> None:
-        self.pending.append(line)
-        self.pending_bytes += len(line) + 1
-        if self.pending_bytes >= WRITE_BYTES:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.pending:
-            self.handle.write(b"\n".join(self.pending) + b"\n")
-            self.size += self.pending_bytes
-            self.pending, self.pending_bytes = [], 0
-
-
 def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
     """Stream the batch's rows into its output and error files (fixed blob keys, so a re-run
-    overwrites rather than adds) and record them. Lines are written in pieces of about
-    ``WRITE_BYTES``, not one by one."""
+    overwrites rather than adds) and record them."""
     out_key, err_key = f"outputs/{batch.id}/output.jsonl", f"outputs/{batch.id}/errors.jsonl"
-    with blobs.writer(out_key) as out_file, blobs.writer(err_key) as err_file:
-        out, err = _Buffered(out_file), _Buffered(err_file)
+    out_bytes = err_bytes = 0
+    with blobs.writer(out_key) as out, blobs.writer(err_key) as err:
         for custom_id, status, result in requests_repo.iter_finished(session, batch.id):
             if status == "succeeded":
-                out.write(result.encode() if result else b"")
+                line = result.encode() if result else b""
+                out.write(line + b"\n")
+                out_bytes += len(line) + 1
                 continue
             if status == "failed" and result:
-                err.write(result.encode())
+                line = result.encode()
             elif status in _NEVER_RAN:
-                err.write(wire.never_ran_line(custom_id, *_NEVER_RAN[status]))
-            # pending/running rows do not exist once a batch is ending
-        out.flush()
-        err.flush()
-    out_bytes, err_bytes = out.size, err.size
+                line = wire.never_ran_line(custom_id, *_NEVER_RAN[status])
+            else:
+                continue  # pending/running rows do not exist once a batch is ending
+            err.write(line + b"\n")
+            err_bytes += len(line) + 1
     created = now()
     for size, key, kind, attr in (
         (out_bytes, out_key, "output", "output_file_id"),

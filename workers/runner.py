@@ -29,6 +29,8 @@ import logging
 import math
 import os
 import socket
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -61,6 +63,9 @@ log = logging.getLogger(__name__)
 #: it must have stepped before that rate is trusted.
 RATE_SECONDS = 300.0
 RATE_TRUSTED_AFTER = 30.0
+#: A loop that has not turned for this long is hung: the lease heartbeat stops covering it, so
+#: its lines go to another worker.
+STALL_SECONDS = 300.0
 #: Errors that mean "the database is unreachable right now", not "this write is wrong".
 _DB_DOWN = (OperationalError, DBAPIError)
 
@@ -168,6 +173,10 @@ class Runner:
         #: This process's totals, for the prefix-cache hit rate in logs and metrics.
         self.lifetime = DrainStats()
         self._stats = DrainStats()
+        #: Wall-clock monotonic times of the loop's last turn and the last lease renewal, read
+        #: by the heartbeat thread (``_heartbeat``).
+        self._tick = self._renewed = time.monotonic()
+        self._heartbeat_thread: threading.Thread | None = None
 
     # --- The loop -----------------------------------------------------------------------------
 
@@ -185,8 +194,10 @@ class Runner:
         # A new drain acts on a fresh reading, not on the one that ended the last.
         self._next_load_at = self._next_estimate_at = self._next_claim_at = -math.inf
         looked_again = False
+        self._start_heartbeat()
         try:
             while True:
+                self._tick = time.monotonic()
                 at = self.clock.time()
                 self._observe(at)
                 self._top_up(at)
@@ -405,13 +416,21 @@ class Runner:
         and size the engine's slots for what is now held; the decision goes to the log."""
         self._stats.chunks += 1
         ready: list[_Held] = []
+        held = {h.row.id for h in self._staged} | {h.row.id for h in self._in_flight.values()}
         for row in claimed:
             self._stats.touched.add(row.batch_id)
+            if row.id in held:
+                # Our own lease had lapsed and the claim took the line back: it is running here.
+                continue
             try:
                 line = orjson.loads(row.line_json)
                 prepared = serving.prepare(str(row.id), line["url"], line["body"], self.engine)
             except LineError as exc:
                 self._results.append(_failed(row, exc, self.clock.time()))
+                continue
+            except Exception:  # our bug, not the client's: fail this line alone, keep the chunk
+                log.exception("cannot prepare line %s of %s", row.id, row.batch_id)
+                self._results.append(_failed(row, _internal_error(), self.clock.time()))
                 continue
             if row.batch_id in self._urgent:
                 prepared.request.priority = -1  # ahead of other batches' lines in the engine
@@ -444,9 +463,7 @@ class Runner:
             100 * self.lifetime.prefix_hit_rate,
         )
         if self.export_metrics:
-            metrics.observe_tokens(
-                self.model, self._chunk_prompt, self._chunk_cached, self.lifetime.prefix_hit_rate
-            )
+            metrics.observe_prefix_hit_rate(self.model, self.lifetime.prefix_hit_rate)
         self._chunk_prompt = self._chunk_cached = 0
 
     def _admit(self) -> None:
@@ -462,9 +479,37 @@ class Runner:
             except ValueError as exc:  # the engine refused the request itself
                 self._results.append(_failed(held.row, LineError(str(exc)), self.clock.time()))
                 continue
+            except Exception:  # an engine bug must not take the other lines down with it
+                log.exception("the engine refused line %s of %s", held.row.id, held.row.batch_id)
+                self._results.append(_failed(held.row, _internal_error(), self.clock.time()))
+                continue
             self._in_flight[held.prepared.request.request_id] = held
 
     # --- Write-back ---------------------------------------------------------------------------
+
+    def _start_heartbeat(self) -> None:
+        """Renew this worker's leases from a thread whenever the loop has not for a third of a
+        lease: one engine step (a long prefill, a loaded host) or a slow write-back must not let
+        leases lapse while the lines are still running here. A loop stuck for ``STALL_SECONDS``
+        is left to lose them. Only on the wall clock (the simulation needs no leases)."""
+        if self._heartbeat_thread is not None or not isinstance(self.clock, WallClock):
+            return
+        interval = max(0.2, self.settings.lease_seconds / 3)
+
+        def beat() -> None:
+            while True:
+                time.sleep(interval / 2)
+                now = time.monotonic()
+                if now - self._renewed < interval or now - self._tick > STALL_SECONDS:
+                    continue
+                try:
+                    self.store.renew(self.owner, time.time() + self.settings.lease_seconds)
+                    self._renewed = now
+                except Exception as exc:  # the database is down: the next beat tries again
+                    log.warning("lease heartbeat failed: %s", exc)
+
+        self._heartbeat_thread = threading.Thread(target=beat, name="lease-heartbeat", daemon=True)
+        self._heartbeat_thread.start()
 
     def _held_batches(self) -> set[str]:
         if not self._staged and not self._in_flight:
@@ -496,11 +541,13 @@ class Runner:
             started_at=self._period_started,
             busy_seconds=self._busy_seconds,
             batch_ids=self._held_batches(),
+            held_ids=[h.row.id for h in (*self._staged, *self._in_flight.values())],
         )
         if not flush.results and not flush.batch_ids:
             return
         try:
-            states = self.store.flush(flush)
+            written = self.store.flush(flush)
+            self._renewed = time.monotonic()
         except _DB_DOWN as exc:
             log.warning(
                 "write-back failed, keeping %d results for the next: %s", len(flush.results), exc
@@ -518,14 +565,26 @@ class Runner:
                 )
             self._busy_seconds, self._period_started = 0.0, at
         del self._results[: len(flush.results)]
+        if written.lost:
+            self._drop_lost(set(written.lost))
         stopped = {}
-        for batch_id, (status, expires_at) in states.items():
+        for batch_id, (status, expires_at) in written.statuses.items():
             if status in ("cancelling", "cancelled"):
                 stopped[batch_id] = "cancelled"
             elif status == "expired" or (status == "in_progress" and expires_at <= at):
                 stopped[batch_id] = "expired"
         if stopped:
             self._stop_batches(stopped, at)
+
+    def _drop_lost(self, lost: set[int]) -> None:
+        """Stop running lines another worker took over (our lease had lapsed): they run there,
+        and our results for them would not be written anyway."""
+        doomed = [h for h in self._in_flight.values() if h.row.id in lost]
+        self.engine.abort([h.prepared.request.request_id for h in doomed])
+        for h in doomed:
+            del self._in_flight[h.prepared.request.request_id]
+        self._staged = deque(h for h in self._staged if h.row.id not in lost)
+        log.warning("%d lines were taken over by another worker (lease lapsed); dropped", len(lost))
 
     def _stop_batches(self, stopped: dict[str, str], at: float) -> None:
         doomed = [
@@ -651,6 +710,14 @@ def _succeeded(
         "completion_tokens": usage["completion_tokens"],
         "finished_at": at,
     }
+
+
+def _internal_error() -> LineError:
+    return LineError(
+        "The server failed to process this request; it was not run.",
+        code="internal_error",
+        status_code=500,
+    )
 
 
 def _failed(row: ClaimedRequest, error: LineError, at: float) -> dict[str, Any]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import bindparam, insert, or_, select, text, update
+from sqlalchemy import CursorResult, bindparam, insert, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from storage.db import is_postgres
@@ -247,11 +247,14 @@ def _write_results_unnest(session: Session, owner: str, results: Sequence[dict[s
 
 def renew_leases(session: Session, owner: str, lease_until: float) -> int:
     """Heartbeat: extend every running row this owner holds; returns how many it holds."""
-    result = session.execute(
-        update(RequestLine)
-        .where(RequestLine.lease_owner == owner, RequestLine.status == "running")
-        .values(lease_expires_at=lease_until)
-        .execution_options(synchronize_session=False)
+    result = cast(
+        CursorResult[Any],
+        session.execute(
+            update(RequestLine)
+            .where(RequestLine.lease_owner == owner, RequestLine.status == "running")
+            .values(lease_expires_at=lease_until)
+            .execution_options(synchronize_session=False)
+        ),
     )
     return int(result.rowcount or 0)
 
@@ -267,15 +270,18 @@ def release(session: Session, owner: str, ids: Iterable[int], *, count_attempt: 
     values: dict[str, Any] = {"status": "pending", "lease_owner": None, "lease_expires_at": None}
     if not count_attempt:
         values["attempts"] = RequestLine.attempts - 1
-    result = session.execute(
-        update(RequestLine)
-        .where(
-            RequestLine.id.in_(id_list),
-            RequestLine.lease_owner == owner,
-            RequestLine.status == "running",
-        )
-        .values(**values)
-        .execution_options(synchronize_session=False)
+    result = cast(
+        CursorResult[Any],
+        session.execute(
+            update(RequestLine)
+            .where(
+                RequestLine.id.in_(id_list),
+                RequestLine.lease_owner == owner,
+                RequestLine.status == "running",
+            )
+            .values(**values)
+            .execution_options(synchronize_session=False)
+        ),
     )
     return int(result.rowcount or 0)
 
@@ -301,22 +307,8 @@ def end_unfinished(session: Session, batch_id: str, status: str, at: float) -> i
 def iter_finished(
     session: Session, batch_id: str, batch_size: int = 2000
 ) -> Iterator[tuple[str, str, str | None]]:
-    """``(custom_id, status, result)`` of every row of the batch in line order, streamed so a
-    50,000-line batch is never in memory at once: one ``COPY … TO STDOUT`` on PostgreSQL (a
-    single round trip, rows parsed in C), a server-side cursor of ``batch_size`` rows elsewhere."""
-    if is_postgres(session):
-        raw = session.connection().connection.driver_connection
-        with (
-            raw.cursor() as cursor,
-            cursor.copy(
-                "COPY (SELECT custom_id, status, result FROM requests WHERE batch_id = %s "
-                "ORDER BY line) TO STDOUT",
-                [batch_id],
-            ) as copy,
-        ):
-            copy.set_types(["text", "text", "text"])
-            yield from copy.rows()
-        return
+    """``(custom_id, status, result)`` of every row of the batch in line order, streamed from a
+    server-side cursor so a 50,000-line batch is never in memory at once."""
     query = (
         select(RequestLine.custom_id, RequestLine.status, RequestLine.result)
         .where(RequestLine.batch_id == batch_id)

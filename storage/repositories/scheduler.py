@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import bindparam, delete, func, select, update
+from sqlalchemy import CursorResult, bindparam, delete, func, select, update
 from sqlalchemy.orm import Session
 
-from storage.models import Batch, EngineChunk, SchedulerState, WorkerRecord
+from storage.models import Batch, EngineChunk, RequestLine, SchedulerState, WorkerRecord
 
 PAUSE_ALL = "paused"
 
@@ -67,10 +67,13 @@ def put_state(session: Session, key: str, value: dict[str, Any], at: float) -> N
 
 def delete_state(session: Session, key: str) -> bool:
     """Remove ``key``; whether it existed."""
-    result = session.execute(
-        delete(SchedulerState)
-        .where(SchedulerState.key == key)
-        .execution_options(synchronize_session=False)
+    result = cast(
+        CursorResult[Any],
+        session.execute(
+            delete(SchedulerState)
+            .where(SchedulerState.key == key)
+            .execution_options(synchronize_session=False)
+        ),
     )
     return bool(result.rowcount)
 
@@ -153,6 +156,20 @@ def set_estimates(session: Session, estimates: Mapping[str, float | None]) -> No
     session.connection().execute(
         statement, [{"batch_id": b, "eta": eta} for b, eta in estimates.items()]
     )
+
+
+def not_held(session: Session, owner: str, ids: Iterable[int]) -> list[int]:
+    """Those of ``ids`` that ``owner`` no longer holds (its lease lapsed and another worker took
+    the line, or the line ended): the owner should stop running them."""
+    id_list = list(ids)
+    if not id_list:
+        return []
+    held = select(RequestLine.id).where(
+        RequestLine.id.in_(id_list),
+        RequestLine.lease_owner == owner,
+        RequestLine.status == "running",
+    )
+    return sorted(set(id_list) - set(session.scalars(held)))
 
 
 # --- Workers ----------------------------------------------------------------------------------

@@ -41,12 +41,6 @@ SLOTS = Gauge(
     "Sequences the runner keeps running: the chunk sizing decision.",
     ["model"],
 )
-PROMPT_TOKENS = Counter(
-    "offpeak_prompt_tokens", "Prompt tokens of finished batch requests.", ["model"]
-)
-CACHED_TOKENS = Counter(
-    "offpeak_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", ["model"]
-)
 PREFIX_HIT_RATE = Gauge(
     "offpeak_prefix_cache_hit_ratio",
     "cached_tokens / prompt_tokens of this worker's finished requests since it started.",
@@ -81,8 +75,7 @@ def observe_estimates(model: str, estimates: Iterable[Estimate], ended: Iterable
                 gauge.remove(model, batch_id)
 
 
-def observe_tokens(model: str, prompt_tokens: int, cached_tokens: int, hit_rate: float) -> None:
-    """Add finished requests' tokens; ``hit_rate`` is the worker's running ratio."""
-    PROMPT_TOKENS.labels(model).inc(prompt_tokens)
-    CACHED_TOKENS.labels(model).inc(cached_tokens)
+def observe_prefix_hit_rate(model: str, hit_rate: float) -> None:
+    """The worker's running cached / prompt tokens ratio (the token counters themselves are
+    ``offpeak_worker_tokens_total{kind="prompt"|"cached"}``, ``workers.metrics``)."""
     PREFIX_HIT_RATE.labels(model).set(hit_rate)

@@ -334,9 +334,11 @@ class LoadMonitor:
     ) -> None:
         self.signals = list(signals) or [IdleSignal()]
         self._pause = pause
+        self._last_pause = PauseState()
 
     def read(self, at: float) -> LoadReading:
-        """Read every signal; unreadable ones go to ``errors`` (and count as load 0 there)."""
+        """Read every signal; unreadable ones go to ``errors`` (and count as load 0 there). An
+        unreadable pause switch keeps its last state."""
         parts: dict[str, float] = {}
         errors: dict[str, str] = {}
         for signal in self.signals:
@@ -344,12 +346,14 @@ class LoadMonitor:
                 parts[signal.name] = float(signal.read(at))
             except SignalError as exc:
                 errors[signal.name] = str(exc)
-        pause = PauseState()
+        pause = self._last_pause
         if self._pause is not None:
             try:
-                pause = self._pause()
-            except Exception as exc:  # the database is down: the switch is unknown
-                errors["pause"] = f"cannot read the pause switch: {exc}"
+                pause = self._last_pause = self._pause()
+            except Exception as exc:
+                # The database is unreachable: keep the switch as last read. Yielding for an
+                # outage would abort work the engine can finish while the database comes back.
+                log.warning("cannot read the pause switch, keeping the last state: %s", exc)
         return LoadReading(
             at=at, load=max(parts.values(), default=0.0), parts=parts, errors=errors, pause=pause
         )

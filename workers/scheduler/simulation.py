@@ -28,6 +28,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import orjson
 
 from offpeak.settings import ModelConfig, SchedulerSettings, Settings, window_seconds
@@ -37,7 +38,7 @@ from workers.engine.base import Completion, EngineRequest, EngineResult
 from workers.planner import StepModel
 from workers.scheduler.clock import VirtualClock
 from workers.scheduler.signals import LoadMonitor, PauseState
-from workers.scheduler.store import Flush
+from workers.scheduler.store import Flush, Written
 
 MODEL = "simulated-model"
 #: 1 January 2026, 00:00 UTC: the simulated day starts at midnight.
@@ -234,7 +235,8 @@ class MemoryStore:
         self.rows: dict[int, SimRow] = {}
         self._next_row = 1
         self._chunks: deque[tuple[float, int, int, float]] = deque()
-        self._sums = [0, 0, 0.0]  # requests, completion tokens, busy seconds of ``_chunks``
+        # Requests, completion tokens and busy seconds of ``_chunks``.
+        self._sums: list[float] = [0, 0, 0.0]
         self.claims = 0
 
     # The day's arrivals become batches when the clock reaches them.
@@ -304,7 +306,7 @@ class MemoryStore:
                 break
         return claimed
 
-    def flush(self, flush: Flush) -> dict[str, tuple[str, float]]:
+    def flush(self, flush: Flush) -> Written:
         for result in flush.results:
             row = self.rows[result["id"]]
             if row.status != "running":
@@ -325,11 +327,13 @@ class MemoryStore:
             self._sums[1] += tokens
             self._sums[2] += flush.busy_seconds
         self._sweep(flush.at)
-        return {
-            b: (self.batches[b].status, self.batches[b].expires_at)
-            for b in flush.batch_ids
-            if b in self.batches
-        }
+        return Written(
+            {
+                b: (self.batches[b].status, self.batches[b].expires_at)
+                for b in flush.batch_ids
+                if b in self.batches
+            }
+        )
 
     def release(
         self, owner: str, ids: Collection[int], batch_ids: Collection[str], *, count_attempt: bool
@@ -346,6 +350,9 @@ class MemoryStore:
                 batch.pending.appendleft(row_id)
             released += 1
         return released
+
+    def renew(self, owner: str, lease_until: float) -> int:
+        return 0  # one simulated worker: leases never lapse
 
     def backlog(self, model: str) -> list[BatchBacklog]:
         at = self.clock.time()
@@ -365,8 +372,10 @@ class MemoryStore:
             self._sums[0] -= requests
             self._sums[1] -= tokens
             self._sums[2] -= busy
-        requests, tokens, busy = self._sums
-        return EngineHistory(int(requests), int(tokens), max(0.0, float(busy)), "simulated")
+        total_requests, total_tokens, total_busy = self._sums
+        return EngineHistory(
+            int(total_requests), int(total_tokens), max(0.0, float(total_busy)), "simulated"
+        )
 
     def live_workers(self, model: str, since: float) -> int:
         return 1
@@ -476,22 +485,21 @@ def make_arrivals(params: DayParams, low_water: float) -> list[Arrival]:
     asking for ``fill ×`` the completion tokens the valleys can serve at ``max_num_seqs``
     sequences per step, split among them at random; each batch's prompts share its system
     prompt."""
-    rng = random.Random(params.seed)
+    rng = np.random.default_rng(params.seed)
     capacity = valley_seconds(params, low_water) * params.step_model().total_tokens_per_s(
         params.max_num_seqs
     )
     lines_total = params.fill * capacity / ((params.min_reply + params.max_reply) / 2)
-    weights = [rng.uniform(0.5, 1.5) for _ in range(params.batches)]
+    weights = rng.uniform(0.5, 1.5, params.batches)
     arrivals = []
     for b, weight in enumerate(weights):
         hour = rng.uniform(params.arrivals_from_hour, params.arrivals_to_hour)
-        at = ((hour - params.start_hour) % 24) * 3600
+        at = float((hour - params.start_hour) % 24) * 3600
         prefix = [1000 + (b * 7919 + i) % 30_000 for i in range(params.prefix_tokens)]
-        lines = []
-        for _ in range(max(1, round(lines_total * weight / sum(weights)))):
-            own = [rng.randrange(30_000) for _ in range(params.unique_tokens)]
-            lines.append((prefix + own, rng.randint(params.min_reply, params.max_reply)))
-        arrivals.append(Arrival(at, lines))
+        n = max(1, round(lines_total * weight / weights.sum()))
+        own = rng.integers(0, 30_000, (n, params.unique_tokens)).tolist()
+        replies = rng.integers(params.min_reply, params.max_reply + 1, n).tolist()
+        arrivals.append(Arrival(at, [(prefix + o, r) for o, r in zip(own, replies, strict=True)]))
     return arrivals
 
 

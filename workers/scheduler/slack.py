@@ -118,7 +118,10 @@ def estimate(
         raise ValueError("throughput must be positive tokens/s")
     ahead = 0.0
     estimates = []
+    margins: dict[str, float] = {}
     for batch in sorted(backlog, key=lambda b: (b.expires_at, b.batch_id)):
+        if batch.completion_window not in margins:
+            margins[batch.completion_window] = margin_seconds(batch.completion_window, settings)
         tokens = batch.remaining * batch_tokens_per_line(batch, model_tokens_per_line)
         ahead += tokens
         estimates.append(
@@ -129,7 +132,7 @@ def estimate(
                 remaining_lines=batch.remaining,
                 remaining_tokens=tokens,
                 estimated_completion_at=at + ahead / throughput,
-                margin_seconds=margin_seconds(batch.completion_window, settings),
+                margin_seconds=margins[batch.completion_window],
             )
         )
     return estimates

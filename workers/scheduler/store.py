@@ -41,6 +41,18 @@ class Flush:
     started_at: float
     busy_seconds: float
     batch_ids: Collection[str] = field(default_factory=set)
+    #: Lines the runner holds (queued or running): their leases are renewed, and those it no
+    #: longer holds come back in ``Written.lost``.
+    held_ids: Collection[int] = field(default_factory=set)
+
+
+@dataclass
+class Written:
+    """What a flush found: ``batch_id → (status, expires_at)`` of ``Flush.batch_ids``, and the
+    held lines whose lease another worker took over."""
+
+    statuses: dict[str, tuple[str, float]]
+    lost: list[int] = field(default_factory=list)
 
 
 class WorkStore(Protocol):
@@ -57,9 +69,8 @@ class WorkStore(Protocol):
         ``owner`` until ``lease_until``; only of ``batch_ids`` when given."""
         ...
 
-    def flush(self, flush: Flush) -> dict[str, tuple[str, float]]:
-        """Store ``flush`` in one transaction; ``batch_id → (status, expires_at)`` for
-        ``flush.batch_ids``."""
+    def flush(self, flush: Flush) -> Written:
+        """Store ``flush`` in one transaction and report what it found."""
         ...
 
     def release(
@@ -71,6 +82,10 @@ class WorkStore(Protocol):
         count_attempt: bool,
     ) -> int:
         """Lines back to pending (see ``requests_repo.release``); returns how many."""
+        ...
+
+    def renew(self, owner: str, lease_until: float) -> int:
+        """Extend every lease ``owner`` holds (the heartbeat); returns how many."""
         ...
 
     def backlog(self, model: str) -> list[BatchBacklog]: ...
@@ -128,7 +143,7 @@ class DbStore:
                 batch_ids=batch_ids,
             )
 
-    def flush(self, flush: Flush) -> dict[str, tuple[str, float]]:
+    def flush(self, flush: Flush) -> Written:
         with session_scope(self.url) as session:
             requests_repo.write_results(session, flush.owner, flush.results)
             if flush.per_batch:
@@ -144,10 +159,17 @@ class DbStore:
                 )
             if flush.results:
                 batches_repo.refresh_counts(session, {r["batch_id"] for r in flush.results})
-            requests_repo.renew_leases(session, flush.owner, flush.lease_until)
+            renewed = requests_repo.renew_leases(session, flush.owner, flush.lease_until)
+            lost = (
+                scheduler_repo.not_held(session, flush.owner, flush.held_ids)
+                if renewed < len(flush.held_ids)
+                else []
+            )
             scheduler_repo.heartbeat(session, flush.owner, flush.at)
             states = batches_repo.statuses(session, flush.batch_ids)
-        return {b: (status, float(expires_at)) for b, (status, expires_at) in states.items()}
+        return Written(
+            {b: (status, float(expires_at)) for b, (status, expires_at) in states.items()}, lost
+        )
 
     def release(
         self,
@@ -163,6 +185,10 @@ class DbStore:
             released = requests_repo.release(session, owner, ids, count_attempt=count_attempt)
             batches_repo.refresh_counts(session, batch_ids)
         return released
+
+    def renew(self, owner: str, lease_until: float) -> int:
+        with session_scope(self.url) as session:
+            return requests_repo.renew_leases(session, owner, lease_until)
 
     def backlog(self, model: str) -> list[BatchBacklog]:
         with session_scope(self.url) as session:

