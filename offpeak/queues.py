@@ -37,12 +37,14 @@ def make_celery(settings: Settings) -> Celery:
     options: dict[str, object] = {}
     if broker.startswith("filesystem://"):
         folder = settings.broker_folder
-        for sub in ("in", "processed"):
+        for sub in ("in", "processed", "control"):
             (folder / sub).mkdir(parents=True, exist_ok=True)
         options = {
             "data_folder_in": str(folder / "in"),
             "data_folder_out": str(folder / "in"),
             "processed_folder": str(folder / "processed"),
+            # Exchange tables; kombu's default is ./control in the working directory.
+            "control_folder": str(folder / "control"),
             "store_processed": False,
         }
     else:
