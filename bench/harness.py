@@ -20,7 +20,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 import psycopg
 import redis
@@ -187,7 +186,7 @@ def scratch_service(
             base_url=f"{stack.base_url}/v1",
             api_key=key,
             max_retries=2,
-            timeout=httpx.Timeout(600.0, connect=10.0),
+            timeout=600.0,
         )
         yield Service(stack, client, url, full_env, tmp / "data")
     finally:

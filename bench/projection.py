@@ -25,7 +25,7 @@ from bench import harness
 from workers import planner
 
 #: Llama 3.1 8B's ``config.json`` fields the planner reads (meta-llama/Llama-3.1-8B-Instruct).
-LLAMA_31_8B = {
+LLAMA_31_8B: dict[str, Any] = {
     "num_hidden_layers": 32,
     "num_attention_heads": 32,
     "num_key_value_heads": 8,

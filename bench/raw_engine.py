@@ -25,7 +25,8 @@ def run(input_path: Path, model_dir: Path, engine: dict[str, Any]) -> dict[str, 
     started = time.perf_counter()
     llm = LLM(model=str(model_dir), tokenizer=str(model_dir), **engine)
     load_s = time.perf_counter() - started
-    llm.chat([[{"role": "user", "content": "Hello"}]], SamplingParams(max_tokens=4), use_tqdm=False)
+    hello: list[Any] = [[{"role": "user", "content": "Hello"}]]
+    llm.chat(hello, SamplingParams(max_tokens=4), use_tqdm=False)
     params = [
         SamplingParams(
             temperature=line["body"].get("temperature", 1.0),
@@ -34,7 +35,8 @@ def run(input_path: Path, model_dir: Path, engine: dict[str, Any]) -> dict[str, 
         for line in lines
     ]
     started = time.perf_counter()
-    outputs = llm.chat([line["body"]["messages"] for line in lines], params, use_tqdm=False)
+    conversations: list[Any] = [line["body"]["messages"] for line in lines]
+    outputs = llm.chat(conversations, params, use_tqdm=False)
     seconds = time.perf_counter() - started
     completions = {
         line["custom_id"]: {

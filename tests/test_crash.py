@@ -140,6 +140,8 @@ def lines_by_status(settings: Settings, batch_id: str) -> dict[str, int]:
 
 
 def submit(client: OpenAI, prefix: str, n: int, max_tokens: int) -> tuple[str, list[str]]:
+    """A batch of ``n`` lines whose replies run from ``max_tokens / 6`` to ``max_tokens`` tokens,
+    so lines finish one after another rather than all in the same step."""
     ids = [f"{prefix}-{i}" for i in range(n)]
     lines = [
         orjson.dumps(
@@ -153,7 +155,7 @@ def submit(client: OpenAI, prefix: str, n: int, max_tokens: int) -> tuple[str, l
                         {"role": "system", "content": "You are a storyteller."},
                         {"role": "user", "content": f"Tell story number {i} about a lighthouse."},
                     ],
-                    "max_tokens": max_tokens,
+                    "max_tokens": max_tokens * (1 + i % 6) // 6,
                     "temperature": 0,
                 },
             }
@@ -274,12 +276,14 @@ def restart_postgres() -> None:
 def test_batch_completes_across_a_restart(
     stack: ServiceProcesses, client: OpenAI, crash_settings: Settings, restart
 ) -> None:  # type: ignore[no-untyped-def]
-    batch_id, ids = submit(client, restart.__name__, 32, 64)
+    batch_id, ids = submit(client, restart.__name__, 32, 96)
     wait_until(
         lambda: lines_by_status(crash_settings, batch_id).get("succeeded", 0) >= 2,
         stack,
         timeout=240,
     )
+    before = lines_by_status(crash_settings, batch_id)
+    assert before.get("pending", 0) + before.get("running", 0) > 0, "restart came too late"
     restart()
     batch = wait_through_outages(client, batch_id, stack, timeout=300)
     assert batch.status == "completed"

@@ -120,7 +120,7 @@ def test_dashboard_shows_progress_in_chromium(
     errors: list[str] = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1360, "height": 900})
+        page = browser.new_page(viewport={"width": 1440, "height": 900})
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(f"{server}/dashboard#key={tenant.key}&hours=0.02&refresh=0.5")

@@ -28,14 +28,16 @@ from offpeak.settings import ModelConfig, SchedulerSettings, Settings
 from storage.blobs import get_blob_store
 from storage.db import session_scope
 from storage.models import Batch, RequestLine
+from storage.repositories import requests as requests_repo
 from storage.repositories import scheduler as scheduler_repo
 from tests.conftest import new_key
 from tests.helpers import check_ran_batch
 from tests.scheduler_support import MetricsEndpoint, decoding_engine, metrics_endpoint
 from workers.finalize import finalize
 from workers.planner import StepModel
-from workers.runner import Runner, sweep_estimates
+from workers.runner import Runner
 from workers.scheduler.simulation import SimEngine
+from workers.scheduler.slack import sweep_estimates
 from workers.scheduler.store import DbStore
 from workers.validation import run_validation
 
@@ -367,3 +369,37 @@ def test_work_that_fits_finishes_inside_a_60s_window_under_high_load(
     assert batch.completed_at is not None and batch.completed_at <= batch.expires_at
     # It held back while slack was above the margin: nothing ran in the first 20 s.
     assert first_done is not None and first_done >= created + 20
+
+
+def test_leases_outlive_slow_steps_and_lines_taken_over_are_dropped(
+    settings: Settings, model: str, tenant: tuple[str, OpenAI]
+) -> None:
+    """Each engine step takes longer than a lease: the heartbeat keeps the leases, so another
+    worker's claim finds nothing. When the lines are taken over anyway, the runner drops them
+    instead of running them for nothing."""
+    name, _ = tenant
+    settings = settings.model_copy(update={"lease_seconds": 1})
+    batch_id = make_batch(settings, name, [chat(model, f"r{i}", "Hi", 2) for i in range(4)])
+    engine = decoding_engine(model, max_num_seqs=4, base_ms=2500)
+    runner = Runner(settings, engine, "w-slow")
+    outcome: list[object] = []
+    worker = threading.Thread(target=lambda: outcome.append(runner.drain()))
+    worker.start()
+    time.sleep(1.8)  # inside the first step, well past the lease its claim took
+    with session_scope(settings.resolved_database_url) as session:
+        stolen = requests_repo.claim(
+            session, model=model, limit=10, owner="w-other", lease_until=time.time() + 60,
+            at=time.time(),
+        )  # fmt: skip
+    assert stolen == [], "the heartbeat let the leases lapse"
+    with session_scope(settings.resolved_database_url) as session:
+        session.execute(
+            update(RequestLine)
+            .where(RequestLine.batch_id == batch_id)
+            .values(lease_owner="w-thief", lease_expires_at=time.time() + 60)
+        )
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+    [stats] = outcome
+    assert stats.requests == 0  # type: ignore[attr-defined]
+    assert counts(settings, batch_id) == {"running": 4}  # the thief's, untouched

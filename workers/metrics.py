@@ -133,14 +133,19 @@ _started: dict[str, int] = {}
 
 def start_server(settings: Settings, role: str, worker_id: str) -> int | None:
     """Serve this process's ``/metrics`` on ``settings.metrics_port`` (bound to
-    ``settings.api_host``), once per process; returns the port, or None when the port is 0."""
+    ``settings.api_host``), once per process; returns the port, or None when the port is 0 or
+    taken (each worker on a host needs its own port)."""
     if not settings.metrics_port:
         return None
     if "port" in _started:
         return _started["port"]
+    try:
+        start_http_server(settings.metrics_port, addr=settings.api_host)
+    except OSError as exc:  # the worker's job is batch work: run it without metrics, loudly
+        log.error("metrics port %d unavailable (%s): no /metrics here", settings.metrics_port, exc)
+        return None
     if role == "engine":
         REGISTRY.register(EngineCollector(settings, worker_id))
-    start_http_server(settings.metrics_port, addr=settings.api_host)
     _started["port"] = settings.metrics_port
     log.info("%s worker metrics on %s:%d", role, settings.api_host, settings.metrics_port)
     return settings.metrics_port

@@ -29,10 +29,10 @@ import logging
 import math
 import os
 import socket
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,9 +51,10 @@ from workers.planner import StepModel
 from workers.scheduler import metrics
 from workers.scheduler.clock import Clock, WallClock
 from workers.scheduler.dispatch import claim_size, engine_room, prefix_order, size_for
+from workers.scheduler.heartbeat import LeaseHeartbeat
 from workers.scheduler.hysteresis import Gate
 from workers.scheduler.signals import LoadMonitor, build_signals
-from workers.scheduler.slack import Estimate, estimate, tokens_per_line, tokens_per_second
+from workers.scheduler.slack import Estimate, calibrated, refresh_estimates
 from workers.scheduler.store import DbStore, Flush, WorkStore
 from workers.serving import LineError, Prepared
 
@@ -63,9 +64,6 @@ log = logging.getLogger(__name__)
 #: it must have stepped before that rate is trusted.
 RATE_SECONDS = 300.0
 RATE_TRUSTED_AFTER = 30.0
-#: A loop that has not turned for this long is hung: the lease heartbeat stops covering it, so
-#: its lines go to another worker.
-STALL_SECONDS = 300.0
 #: Errors that mean "the database is unreachable right now", not "this write is wrong".
 _DB_DOWN = (OperationalError, DBAPIError)
 
@@ -150,7 +148,7 @@ class Runner:
         self.room = engine_room(engine, settings.models.get(self.model))
         self.slots = self.room.max_num_seqs
         #: Fallback throughput before any is measured: the calibrated or the seed's step model.
-        self.step_model = step_model or _calibrated(settings, self.model, device)
+        self.step_model = step_model or calibrated(settings, self.model, device)
         self._staged: deque[_Held] = deque()
         self._in_flight: dict[str, _Held] = {}
         self._results: list[dict[str, Any]] = []
@@ -173,10 +171,12 @@ class Runner:
         #: This process's totals, for the prefix-cache hit rate in logs and metrics.
         self.lifetime = DrainStats()
         self._stats = DrainStats()
-        #: Wall-clock monotonic times of the loop's last turn and the last lease renewal, read
-        #: by the heartbeat thread (``_heartbeat``).
-        self._tick = self._renewed = time.monotonic()
-        self._heartbeat_thread: threading.Thread | None = None
+        #: Renews the leases between write-backs (a long step); off in the simulation.
+        self.heartbeat: LeaseHeartbeat | None = (
+            LeaseHeartbeat(self._renew, settings.lease_seconds)
+            if isinstance(self.clock, WallClock)
+            else None
+        )
 
     # --- The loop -----------------------------------------------------------------------------
 
@@ -193,37 +193,12 @@ class Runner:
         started = self.clock.monotonic()
         # A new drain acts on a fresh reading, not on the one that ended the last.
         self._next_load_at = self._next_estimate_at = self._next_claim_at = -math.inf
-        looked_again = False
-        self._start_heartbeat()
-        try:
-            while True:
-                self._tick = time.monotonic()
-                at = self.clock.time()
-                self._observe(at)
-                self._top_up(at)
-                if self._in_flight:
-                    self._step()
-                    looked_again = False
-                    if self.clock.monotonic() - self._last_flush >= self.settings.flush_seconds:
-                        self._flush()
-                    continue
-                if self._next_claim_at > at and not looked_again:
-                    # The engine ran dry inside a claim back-off: one more look before idling.
-                    looked_again, self._next_claim_at = True, -math.inf
-                    continue
-                self._flush()
-                if until is None:
-                    break
-                if until():
-                    stats.outcome = "stopped"
-                    break
-                self.clock.sleep(self.policy.load_poll_seconds)
-            # Lines queued but not admissible (a hard pause) go back rather than wait out a lease.
-            self._release([h.row for h in self._staged], count_attempt=False)
-            self._staged.clear()
-        except BaseException:
-            self._give_back()
-            raise
+        with self.heartbeat.running() if self.heartbeat else nullcontext():
+            try:
+                self._loop(until)
+            except BaseException:
+                self._give_back()
+                raise
         stats.seconds = self.clock.monotonic() - started
         if not stats.outcome:
             stats.outcome = "drained" if self.gate.open else "yielded"
@@ -243,6 +218,35 @@ class Runner:
         for batch_id in stats.touched:
             self.on_batch_touched(batch_id)
         return stats
+
+    def _loop(self, until: Callable[[], bool] | None) -> None:
+        looked_again = False
+        while True:
+            if self.heartbeat:
+                self.heartbeat.tick()
+            at = self.clock.time()
+            self._observe(at)
+            self._top_up(at)
+            if self._in_flight:
+                self._step()
+                looked_again = False
+                if self.clock.monotonic() - self._last_flush >= self.settings.flush_seconds:
+                    self._flush()
+                continue
+            if self._next_claim_at > at and not looked_again:
+                # The engine ran dry inside a claim back-off: one more look before idling.
+                looked_again, self._next_claim_at = True, -math.inf
+                continue
+            self._flush()
+            if until is None:
+                break
+            if until():
+                self._stats.outcome = "stopped"
+                break
+            self.clock.sleep(self.policy.load_poll_seconds)
+        # Lines queued but not admissible (a hard pause) go back rather than wait out a lease.
+        self._release([h.row for h in self._staged], count_attempt=False)
+        self._staged.clear()
 
     def _step(self) -> None:
         running = min(len(self._in_flight), self.slots)
@@ -350,6 +354,8 @@ class Runner:
     def _yield(self) -> None:
         """The gate closed: hand back queued lines and, with ``abort_on_yield`` (always on a hard
         pause), abort running ones, except urgent batches' (none on a hard pause)."""
+        if not self._staged and not self._in_flight:
+            return  # nothing was running: nothing to yield
         keep = self._admissible
         queued = [h for h in self._staged if not keep(h.row.batch_id)]
         self._staged = deque(h for h in self._staged if keep(h.row.batch_id))
@@ -487,29 +493,8 @@ class Runner:
 
     # --- Write-back ---------------------------------------------------------------------------
 
-    def _start_heartbeat(self) -> None:
-        """Renew this worker's leases from a thread whenever the loop has not for a third of a
-        lease: one engine step (a long prefill, a loaded host) or a slow write-back must not let
-        leases lapse while the lines are still running here. A loop stuck for ``STALL_SECONDS``
-        is left to lose them. Only on the wall clock (the simulation needs no leases)."""
-        if self._heartbeat_thread is not None or not isinstance(self.clock, WallClock):
-            return
-        interval = max(0.2, self.settings.lease_seconds / 3)
-
-        def beat() -> None:
-            while True:
-                time.sleep(interval / 2)
-                now = time.monotonic()
-                if now - self._renewed < interval or now - self._tick > STALL_SECONDS:
-                    continue
-                try:
-                    self.store.renew(self.owner, time.time() + self.settings.lease_seconds)
-                    self._renewed = now
-                except Exception as exc:  # the database is down: the next beat tries again
-                    log.warning("lease heartbeat failed: %s", exc)
-
-        self._heartbeat_thread = threading.Thread(target=beat, name="lease-heartbeat", daemon=True)
-        self._heartbeat_thread.start()
+    def _renew(self) -> None:
+        self.store.renew(self.owner, time.time() + self.settings.lease_seconds)
 
     def _held_batches(self) -> set[str]:
         if not self._staged and not self._in_flight:
@@ -547,7 +532,8 @@ class Runner:
             return
         try:
             written = self.store.flush(flush)
-            self._renewed = time.monotonic()
+            if self.heartbeat:
+                self.heartbeat.renewed()
         except _DB_DOWN as exc:
             log.warning(
                 "write-back failed, keeping %d results for the next: %s", len(flush.results), exc
@@ -636,62 +622,6 @@ class Runner:
         finally:
             self._release([h.row for h in running], count_attempt=True)
             self._release([h.row for h in queued], count_attempt=False)
-
-
-def refresh_estimates(
-    store: WorkStore,
-    settings: Settings,
-    model: str,
-    at: float,
-    step_model: StepModel,
-    slots: int,
-    local_rate: float | None = None,
-) -> list[Estimate]:
-    """Estimate every running batch of ``model`` at ``at`` and store the estimated completion
-    times (the API shows them). Used by the runner (with its own measured ``local_rate``,
-    tokens/s) and by the control worker's sweep."""
-    policy = settings.scheduler
-    backlog = store.backlog(model)
-    if not backlog:
-        return []
-    history = store.engine_history(model, at - policy.throughput_window_seconds)
-    workers = store.live_workers(
-        model, at - max(3 * settings.flush_seconds, settings.lease_seconds)
-    )
-    throughput = tokens_per_second(history, step_model, slots, workers, local_rate)
-    per_line = tokens_per_line(history, policy.expected_completion_tokens)
-    estimates = estimate(backlog, at, throughput, per_line, policy)
-    store.save_estimates({e.batch_id: e.estimated_completion_at for e in estimates})
-    return estimates
-
-
-def sweep_estimates(settings: Settings, models: Iterable[str], at: float) -> None:
-    """Refresh the estimates of every running batch of ``models`` (the control worker's sweep,
-    so slack keeps moving while no engine worker runs a model). Never raises: a failure is
-    logged and the next sweep tries again."""
-    store = DbStore(settings.resolved_database_url)
-    for model in models:
-        try:
-            since = at - settings.scheduler.throughput_window_seconds
-            device = store.engine_history(model, since).device or "cpu"
-            slots = settings.models[model].max_num_seqs if model in settings.models else 256
-            refresh_estimates(
-                store, settings, model, at, _calibrated(settings, model, device), slots
-            )
-        except Exception:
-            log.exception("cannot refresh the estimates of %s", model)
-
-
-def _calibrated(settings: Settings, model: str, device: str) -> StepModel:
-    """The step model ``offpeak calibrate`` stored for this model and device, else the seed's."""
-    from workers.calibration import load_calibration
-
-    try:
-        found = load_calibration(model, device, settings.model_cache_dir)
-    except (OSError, ValueError) as exc:
-        log.warning("ignoring the calibration file: %s", exc)
-        found = None
-    return found or StepModel()
 
 
 def _succeeded(

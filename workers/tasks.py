@@ -15,7 +15,8 @@ from workers import accounting, metrics
 from workers.celery_app import app
 from workers.engine import registry
 from workers.finalize import finalize
-from workers.runner import Runner, sweep_estimates, worker_id
+from workers.runner import Runner, worker_id
+from workers.scheduler.slack import sweep_estimates
 from workers.validation import run_validation
 
 log = logging.getLogger(__name__)

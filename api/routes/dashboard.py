@@ -42,7 +42,5 @@ def dashboard_data(
 ) -> dict[str, Any]:
     """The page's data: latest batches with figures, per-model throughput, chart series."""
     if not 0 < hours <= settings.load_history_hours:
-        raise BadRequest(
-            f"hours must be in (0, {settings.load_history_hours:g}].", param="hours"
-        )
+        raise BadRequest(f"hours must be in (0, {settings.load_history_hours:g}].", param="hours")
     return dashboard_service.data(session, settings, tenant.id, hours=hours)

@@ -103,7 +103,10 @@ function renderBatches(batches) {
       el("td", { class: "num", textContent: money(b.cost) }),
       el("td", { class: "num", textContent: money(b.price) }),
       el("td", { class: "num", textContent: money(b.saving) }),
-      el("td", { textContent: clock(b.created_at, true) })));
+      el("td", { textContent: clock(b.created_at, true) }),
+      // The scheduler's estimate of the last line's finish, while the batch runs.
+      el("td", { textContent: !ENDED.has(b.status) && b.estimated_completion_at
+        ? clock(b.estimated_completion_at, true) : "–" })));
   }
 }
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any, cast
 
+import psycopg
 from sqlalchemy import CursorResult, bindparam, insert, or_, select, text, update
 from sqlalchemy.orm import Session
 
@@ -66,6 +67,14 @@ def _intake_values(row: tuple[str, int, str, str, int, str]) -> dict[str, Any]:
     return dict(zip(INTAKE_COLUMNS, row, strict=True)) | _INTAKE_DEFAULTS
 
 
+def _driver_connection(session: Session) -> psycopg.Connection[Any]:
+    """The psycopg connection under the session's transaction (for ``COPY`` and binary
+    parameters, which SQLAlchemy does not expose)."""
+    raw = session.connection().connection.driver_connection
+    assert isinstance(raw, psycopg.Connection)
+    return raw
+
+
 def _copy_rows(session: Session, rows: Iterable[tuple[str, int, str, str, int, str]]) -> int:
     connection = session.connection()
     lz4 = connection.execute(
@@ -75,7 +84,7 @@ def _copy_rows(session: Session, rows: Iterable[tuple[str, int, str, str, int, s
     ).scalar()
     if lz4:
         connection.execute(text("SET LOCAL default_toast_compression = lz4"))
-    raw = connection.connection.driver_connection
+    raw = _driver_connection(session)
     columns = ", ".join((*INTAKE_COLUMNS, *_INTAKE_DEFAULTS))
     defaults = tuple(_INTAKE_DEFAULTS.values())
     count = 0
@@ -226,7 +235,7 @@ def _write_results_unnest(session: Session, owner: str, results: Sequence[dict[s
         [r.get("completion_tokens", 0) for r in results],
         [r.get("finished_at") for r in results],
     )
-    raw = session.connection().connection.driver_connection
+    raw = _driver_connection(session)
     with raw.cursor() as cursor:
         # Never a prepared statement: a generic plan cannot see the arrays' length and may
         # rescan the unnest once per row (quadratic); the custom plan hash-joins them.

@@ -17,12 +17,16 @@ slack falls below its margin is urgent: it runs even while real-time load is hig
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from offpeak.settings import SchedulerSettings, window_seconds
+from offpeak.settings import SchedulerSettings, Settings, window_seconds
 from storage.repositories.scheduler import BatchBacklog, EngineHistory
 from workers.planner import StepModel
+from workers.scheduler.store import DbStore, WorkStore
+
+log = logging.getLogger(__name__)
 
 #: Lines of a batch that must have finished before its own tokens per line are trusted.
 OWN_AVERAGE_AFTER = 5
@@ -136,3 +140,59 @@ def estimate(
             )
         )
     return estimates
+
+
+def refresh_estimates(
+    store: WorkStore,
+    settings: Settings,
+    model: str,
+    at: float,
+    step_model: StepModel,
+    slots: int,
+    local_rate: float | None = None,
+) -> list[Estimate]:
+    """Estimate every running batch of ``model`` at ``at`` and store the estimated completion
+    times (the API shows them). Used by the runner (with its own measured ``local_rate``,
+    tokens/s) and by the control worker's sweep."""
+    policy = settings.scheduler
+    backlog = store.backlog(model)
+    if not backlog:
+        return []
+    history = store.engine_history(model, at - policy.throughput_window_seconds)
+    workers = store.live_workers(
+        model, at - max(3 * settings.flush_seconds, settings.lease_seconds)
+    )
+    throughput = tokens_per_second(history, step_model, slots, workers, local_rate)
+    per_line = tokens_per_line(history, policy.expected_completion_tokens)
+    estimates = estimate(backlog, at, throughput, per_line, policy)
+    store.save_estimates({e.batch_id: e.estimated_completion_at for e in estimates})
+    return estimates
+
+
+def sweep_estimates(settings: Settings, models: Iterable[str], at: float) -> None:
+    """Refresh the estimates of every running batch of ``models`` (the control worker's sweep,
+    so slack keeps moving while no engine worker runs a model). Never raises: a failure is
+    logged and the next sweep tries again."""
+    store = DbStore(settings.resolved_database_url)
+    for model in models:
+        try:
+            since = at - settings.scheduler.throughput_window_seconds
+            device = store.engine_history(model, since).device or "cpu"
+            slots = settings.models[model].max_num_seqs if model in settings.models else 256
+            refresh_estimates(
+                store, settings, model, at, calibrated(settings, model, device), slots
+            )
+        except Exception:
+            log.exception("cannot refresh the estimates of %s", model)
+
+
+def calibrated(settings: Settings, model: str, device: str) -> StepModel:
+    """The step model ``offpeak calibrate`` stored for this model and device, else the seed's."""
+    from workers.calibration import load_calibration
+
+    try:
+        found = load_calibration(model, device, settings.model_cache_dir)
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring the calibration file: %s", exc)
+        found = None
+    return found or StepModel()

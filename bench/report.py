@@ -1,0 +1,141 @@
+"""Markdown tables of the JSON results (``offpeak bench report``), for ``docs/benchmarks.md``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.harness import RESULTS_DIR
+
+
+def _table(columns: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _load(folder: Path, name: str) -> dict[str, Any] | None:
+    path = folder / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _loads(result: dict[str, Any]) -> str:
+    start, end = result["machine"]["load_average"], result["load_average_end"]
+    return f"load average (1/5/15 min) {start} at the start, {end} at the end"
+
+
+def markdown(folder: Path | None = None) -> str:
+    """Every result found in ``folder`` (default ``bench/results``) as markdown."""
+    folder = folder or RESULTS_DIR
+    parts = []
+    if e2e := _load(folder, "e2e"):
+        legs = e2e["legs"]
+        names = {
+            "a_raw_engine": "(a) `vllm.LLM.chat`, generation only",
+            "b_run_batch": "(b) `vllm run_batch`, whole process",
+            "c_offpeak": "(c) Offpeak, upload → output downloaded",
+        }
+        rows = [
+            [names[k], f"{leg['seconds']:.1f}", f"{leg['completion_tokens']:,}",
+             f"{leg['output_tokens_per_s']:,.0f}",
+             f"{e2e['same_text_as_raw'][k]}/{e2e['params']['requests']}",
+             str(leg["load_average"][0])]
+            for k, leg in legs.items()
+        ]  # fmt: skip
+        ratios = e2e["ratios"]
+        parts.append(
+            "### End to end\n\n"
+            + _table(
+                [
+                    "leg",
+                    "seconds",
+                    "output tokens",
+                    "output tokens/s",
+                    "same text as (a)",
+                    "load (1 min)",
+                ],
+                rows,
+            )  # fmt: skip
+            + f"\n\nc/a = **{ratios['c_over_a']:.2f}** (target ≥ 0.90), "
+            f"c/b = **{ratios['c_over_b']:.2f}** (target > 1). {_loads(e2e)}."
+        )
+    if intake := _load(folder, "intake"):
+        rows = [
+            [f"{r['file_mb']:.0f} MB", f"{r['lines']:,}", f"{r['upload_s']:.2f}",
+             f"{r['validate_s']:.2f}", f"{r['total_s']:.2f}", f"**{r['mb_per_s']:.1f}**",
+             f"{r['lines_per_s']:,.0f}", f"{r['orjson_parse_s']:.2f}",
+             f"{r['intake_over_parse']:.1f}×", f"**{r['api_rss_growth_mb']:.1f}**",
+             str(r["load_average"][0])]
+            for r in intake["runs"]
+        ]  # fmt: skip
+        parts.append(
+            "### Intake\n\n"
+            + _table(
+                [
+                    "file",
+                    "lines",
+                    "upload s",
+                    "create → rows stored s",
+                    "total s",
+                    "MB/s",
+                    "lines/s",
+                    "orjson parse s",
+                    "total / parse",
+                    "API RSS growth MB",
+                    "load (1 min)",
+                ],
+                rows,
+            )  # fmt: skip
+            + f"\n\n{_loads(intake)}."
+        )
+    if control := _load(folder, "control"):
+        rows = [
+            [f"{r['lines']:,}", f"{r['validate_s']:.2f}", f"{r['run_s']:.2f}",
+             f"{r['finalize_s']:.2f}", f"{r['download_s']:.2f}", f"{r['total_s']:.2f}",
+             f"**{r['requests_per_s']:,.0f}**", str(r["load_average"][0])]
+            for r in control["runs"]
+        ]  # fmt: skip
+        parts.append(
+            "### Control plane\n\n"
+            + _table(
+                [
+                    "lines",
+                    "validating s",
+                    "in_progress s",
+                    "finalizing s",
+                    "download s",
+                    "total s",
+                    "requests/s",
+                    "load (1 min)",
+                ],
+                rows,
+            )  # fmt: skip
+            + f"\n\n{_loads(control)}."
+        )
+    if memory := _load(folder, "memory"):
+        rows = [
+            [f"{r['lines']:,}", f"{r['engine_rss_baseline_mb']:.0f}",
+             f"{r['engine_rss_peak_mb']:.0f}", f"**{r['engine_rss_growth_mb']:.1f}**",
+             f"{r['control_rss_baseline_mb']:.0f}", f"{r['control_rss_peak_mb']:.0f}",
+             f"**{r['control_rss_growth_mb']:.1f}**", f"{r['requests_per_s']:,.0f}"]
+            for r in memory["runs"]
+        ]  # fmt: skip
+        parts.append(
+            "### Worker memory\n\n"
+            + _table(
+                [
+                    "lines",
+                    "engine after warm-up MB",
+                    "engine peak MB",
+                    "engine growth MB",
+                    "control after warm-up MB",
+                    "control peak MB",
+                    "control growth MB",
+                    "requests/s",
+                ],
+                rows,
+            )  # fmt: skip
+            + f"\n\n{_loads(memory)}."
+        )
+    return "\n\n".join(parts) + "\n"
