@@ -9,6 +9,7 @@ import secrets
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -40,20 +41,28 @@ def run_id() -> str:
     return f"t{os.getpid()}{secrets.token_hex(3)}"
 
 
-@pytest.fixture(scope="session")
-def database_url(run_id: str) -> Iterator[str]:
-    """A new PostgreSQL database for this test session, built by the Alembic migrations."""
-    name = f"offpeak_{run_id}"
+@contextmanager
+def fresh_database(name: str) -> Iterator[str]:
+    """A new PostgreSQL database built by the Alembic migrations; dropped afterwards."""
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
     migrations.upgrade(url)
-    yield url
-    from storage.db import get_engine
+    try:
+        yield url
+    finally:
+        from storage.db import get_engine
 
-    get_engine.cache_clear()
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        get_engine.cache_clear()
+        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def database_url(run_id: str) -> Iterator[str]:
+    """The database of the in-process tests."""
+    with fresh_database(f"offpeak_{run_id}") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
@@ -127,11 +136,24 @@ def sdk(http: TestClient, api_key: str) -> OpenAI:
 
 
 @pytest.fixture(scope="session")
+def live_env(base_env: dict[str, str], run_id: str) -> Iterator[dict[str, str]]:
+    """The live stack's environment: its own database, so its sweep never acts on the
+    in-process tests' batches (with its own settings and prices)."""
+    with fresh_database(f"offpeak_{run_id}_live") as url:
+        yield {**base_env, "OFFPEAK_DATABASE_URL": url}
+
+
+@pytest.fixture(scope="session")
+def live_settings(live_env: dict[str, str]) -> Settings:
+    return settings_from(live_env)
+
+
+@pytest.fixture(scope="session")
 def live(
-    base_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+    live_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServiceProcesses]:
     """API, control worker and engine worker on the real SmolLM2 model, for the whole session."""
-    stack = ServiceProcesses(base_env, free_port(), tmp_path_factory.mktemp("live-logs"))
+    stack = ServiceProcesses(live_env, free_port(), tmp_path_factory.mktemp("live-logs"))
     stack.start()
     try:
         stack.wait_http()
@@ -141,8 +163,8 @@ def live(
 
 
 @pytest.fixture()
-def live_sdk(live: ServiceProcesses, settings: Settings) -> OpenAI:
-    return OpenAI(base_url=f"{live.base_url}/v1", api_key=new_key(settings), max_retries=2)
+def live_sdk(live: ServiceProcesses, live_settings: Settings) -> OpenAI:
+    return OpenAI(base_url=f"{live.base_url}/v1", api_key=new_key(live_settings), max_retries=2)
 
 
 ENDED = ("completed", "failed", "expired", "cancelled")
