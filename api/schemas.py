@@ -302,4 +302,3 @@ class SchedulerView(BaseModel):
     switches: list[PauseSwitch]
     pools: list[PoolLoad]
     batches: list[BatchSchedule]
-

@@ -27,7 +27,9 @@ from storage.db import session_scope
 
 PG_ADMIN = os.environ.get("OFFPEAK_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("OFFPEAK_TEST_REDIS", "redis://127.0.0.1:6379/7")
-CASES = Path(__file__).resolve().parents[1].parent / "shared" / "cases"
+#: Input cases from users' bug reports, copied from the workspace's shared/cases so a clone
+#: carries them; OFFPEAK_CASES_DIR points the tests at another copy.
+CASES = Path(os.environ.get("OFFPEAK_CASES_DIR", Path(__file__).resolve().parent / "cases"))
 
 
 def free_port() -> int:

@@ -217,15 +217,18 @@ def test_oversized_bodies_are_refused_before_they_are_read(settings: Settings) -
     small = settings.model_copy(update={"max_file_bytes": 100})
     with TestClient(create_app(small)) as http:
         headers = {"Authorization": f"Bearer {new_key(small)}"}
-        declared = http.post("/v1/files", headers={**headers, "Content-Length": str(10**9)},
-                             content=b"x" * 10)
+        declared = http.post(
+            "/v1/files", headers={**headers, "Content-Length": str(10**9)}, content=b"x" * 10
+        )
         assert declared.status_code == 413
         assert declared.json()["error"]["code"] == "request_too_large"
 
         def stream():  # a well-formed multipart upload with no Content-Length (chunked)
-            yield (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
-                   b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n'
-                   b"Content-Type: application/octet-stream\r\n\r\n")
+            yield (
+                b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+                b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n'
+                b"Content-Type: application/octet-stream\r\n\r\n"
+            )
             for _ in range(200):
                 yield LINE * 4
             yield b"\r\n--b--\r\n"
@@ -236,31 +239,48 @@ def test_oversized_bodies_are_refused_before_they_are_read(settings: Settings) -
         # upload (the service's file_too_large)
         assert chunked.status_code == 413
         assert chunked.json()["error"]["code"] == "request_too_large"
-        big_json = http.post("/v1/batches", headers=headers, content=b" " * (2 << 20),
-                             )
+        big_json = http.post(
+            "/v1/batches",
+            headers=headers,
+            content=b" " * (2 << 20),
+        )
         assert big_json.status_code == 413
 
 
 def test_nul_characters_are_client_errors(sdk: OpenAI, http: TestClient, api_key: str) -> None:
     headers = {"Authorization": f"Bearer {api_key}"}
-    for path in ("/v1/batches/batch_%00", "/v1/files/file-%00", "/v1/batches?after=%00",
-                 "/v1/files?purpose=%00"):
+    for path in (
+        "/v1/batches/batch_%00",
+        "/v1/files/file-%00",
+        "/v1/batches?after=%00",
+        "/v1/files?purpose=%00",
+    ):
         response = http.get(path, headers=headers)
         assert response.status_code in (400, 404), (path, response.text)
         assert response.json()["error"]["message"]
     file = upload(sdk)
-    response = http.post("/v1/batches", headers=headers, json={
-        "input_file_id": file.id, "endpoint": "/v1/chat/completions",
-        "completion_window": "24h", "metadata": {"k": "a\x00b"}})
+    response = http.post(
+        "/v1/batches",
+        headers=headers,
+        json={
+            "input_file_id": file.id,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            "metadata": {"k": "a\x00b"},
+        },
+    )
     assert response.status_code == 400
-    long_name = http.post("/v1/files", headers=headers, data={"purpose": "batch"},
-                          files={"file": ("n" * 600 + ".jsonl", LINE)})
+    long_name = http.post(
+        "/v1/files",
+        headers=headers,
+        data={"purpose": "batch"},
+        files={"file": ("n" * 600 + ".jsonl", LINE)},
+    )
     assert long_name.status_code == 400 and long_name.json()["error"]["param"] == "file"
 
 
 def test_body_that_is_not_an_object(http: TestClient, api_key: str) -> None:
-    response = http.post("/v1/batches", headers={"Authorization": f"Bearer {api_key}"},
-                         json=[1, 2])
+    response = http.post("/v1/batches", headers={"Authorization": f"Bearer {api_key}"}, json=[1, 2])
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "The request body must be a JSON object."
 

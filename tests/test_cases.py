@@ -93,3 +93,14 @@ def test_case(case: Path, live_sdk: OpenAI, live: Any) -> None:
     expect = json.loads((case / "expect.json").read_text())
     for _ in range(expect.get("repeat", 1)):
         run_case(live_sdk, live, case, expect)
+
+
+def test_cases_match_the_shared_copy() -> None:
+    """The cases are copied into the repository; when the workspace's originals are beside the
+    checkout, the copy must not have drifted from them."""
+    shared = Path(__file__).resolve().parents[2] / "shared" / "cases"
+    if not shared.is_dir():
+        pytest.skip("no shared/cases beside this checkout")
+    originals = {p.relative_to(shared): p.read_bytes() for p in shared.rglob("*") if p.is_file()}
+    copies = {p.relative_to(CASES): p.read_bytes() for p in CASES.rglob("*") if p.is_file()}
+    assert copies == originals

@@ -28,23 +28,47 @@ BAD_CHAT = [
     chat(messages=[{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]),
     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]),
     chat(messages=[{"role": "user", "content": 5}]),
-    chat(max_tokens=0), chat(max_tokens=-1), chat(max_tokens="8"), chat(max_tokens=1.5),
-    chat(max_tokens=10**30), chat(max_completion_tokens=True),
-    chat(temperature=5), chat(temperature="hot"), chat(temperature=float("nan")),
-    chat(top_p=0), chat(top_p=3), chat(n=0), chat(n=1000), chat(n="2"),
-    chat(stop=["a"] * 10), chat(stop=5), chat(stop=[1]),
-    chat(logprobs="yes"), chat(top_logprobs=3), chat(logprobs=True, top_logprobs=50),
-    chat(presence_penalty=9), chat(frequency_penalty=-9), chat(seed="x"), chat(seed=2.5),
-    chat(tools=[{"type": "function"}]), chat(response_format={"type": "json_object"}),
-    chat(best_of=3), chat(max_tokens=600),
+    chat(max_tokens=0),
+    chat(max_tokens=-1),
+    chat(max_tokens="8"),
+    chat(max_tokens=1.5),
+    chat(max_tokens=10**30),
+    chat(max_completion_tokens=True),
+    chat(temperature=5),
+    chat(temperature="hot"),
+    chat(temperature=float("nan")),
+    chat(top_p=0),
+    chat(top_p=3),
+    chat(n=0),
+    chat(n=1000),
+    chat(n="2"),
+    chat(stop=["a"] * 10),
+    chat(stop=5),
+    chat(stop=[1]),
+    chat(logprobs="yes"),
+    chat(top_logprobs=3),
+    chat(logprobs=True, top_logprobs=50),
+    chat(presence_penalty=9),
+    chat(frequency_penalty=-9),
+    chat(seed="x"),
+    chat(seed=2.5),
+    chat(tools=[{"type": "function"}]),
+    chat(response_format={"type": "json_object"}),
+    chat(best_of=3),
+    chat(max_tokens=600),
     chat(messages=[{"role": "user", "content": "word " * 600}]),
 ]
 
 BAD_COMPLETIONS = [
-    {"model": "m", "prompt": 5}, {"model": "m", "prompt": None}, {"model": "m", "prompt": []},
-    {"model": "m", "prompt": ["a", "b"]}, {"model": "m", "prompt": [1, "a"]},
-    {"model": "m", "prompt": "x", "logprobs": 9}, {"model": "m", "prompt": "x", "echo": True},
-    {"model": "m", "prompt": "x", "suffix": "y"}, {"model": "m", "prompt": "x" * 600},
+    {"model": "m", "prompt": 5},
+    {"model": "m", "prompt": None},
+    {"model": "m", "prompt": []},
+    {"model": "m", "prompt": ["a", "b"]},
+    {"model": "m", "prompt": [1, "a"]},
+    {"model": "m", "prompt": "x", "logprobs": 9},
+    {"model": "m", "prompt": "x", "echo": True},
+    {"model": "m", "prompt": "x", "suffix": "y"},
+    {"model": "m", "prompt": "x" * 600},
 ]
 
 
@@ -63,14 +87,35 @@ def test_bad_completion_bodies_are_line_errors(body: dict[str, Any]) -> None:
 
 
 def test_good_bodies_map_to_sampling() -> None:
-    prepared = prepare("7", CHAT, chat(max_completion_tokens=5, temperature=0, top_p=0.5, n=2,
-                                       stop="x", seed=3, logprobs=True, top_logprobs=2,
-                                       messages=[{"role": "developer", "content": "Be brief."},
-                                                 {"role": "user", "content": [
-                                                     {"type": "text", "text": "Hi"}]}]), ENGINE)
+    prepared = prepare(
+        "7",
+        CHAT,
+        chat(
+            max_completion_tokens=5,
+            temperature=0,
+            top_p=0.5,
+            n=2,
+            stop="x",
+            seed=3,
+            logprobs=True,
+            top_logprobs=2,
+            messages=[
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+            ],
+        ),
+        ENGINE,
+    )
     s = prepared.request.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.n, s.stop, s.seed, s.logprobs) == (
-        5, 0.0, 0.5, 2, ("x",), 3, 2)
+        5,
+        0.0,
+        0.5,
+        2,
+        ("x",),
+        3,
+        2,
+    )
     assert b"<system>Be brief." in bytes(prepared.request.prompt_token_ids)
     unbounded = prepare("8", CHAT, chat(), ENGINE)
     assert unbounded.request.sampling.max_tokens == 512 - len(unbounded.request.prompt_token_ids)

@@ -5,8 +5,8 @@ Revises: 0001
 Create Date: 2026-11-30 11:57:41.962096
 """
 
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0002"
