@@ -123,7 +123,9 @@ def test_attribution_of_real_chunks_adds_up_to_their_seconds(
     """Two batches drained by one runner share its chunks; every chunk's seconds are split
     between them with nothing lost or made up."""
     a, b = make(settings, tenant, 30, prefix="a"), make(settings, tenant, 30, prefix="b")
-    run(settings)
+    # One write-back for the whole drain, so its chunk holds both batches however slowly the
+    # (shared, loaded) machine steps.
+    run(settings.model_copy(update={"flush_seconds": 60.0}))
     weights = TokenWeights(settings.prefill_token_weight, settings.cached_token_weight, 1.0)
     with session_scope(settings.resolved_database_url) as session:
         chunk_ids = set(
