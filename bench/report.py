@@ -22,7 +22,7 @@ def _load(folder: Path, name: str) -> dict[str, Any] | None:
 
 def _loads(result: dict[str, Any]) -> str:
     start, end = result["machine"]["load_average"], result["load_average_end"]
-    return f"load average (1/5/15 min) {start} at the start, {end} at the end"
+    return f"Load average (1/5/15 min) {start} at the start, {end} at the end"
 
 
 def markdown(folder: Path | None = None) -> str:
@@ -82,7 +82,7 @@ def markdown(folder: Path | None = None) -> str:
                     "lines/s",
                     "orjson parse s",
                     "total / parse",
-                    "API RSS growth MB",
+                    "API RSS growth MiB",
                     "load (1 min)",
                 ],
                 rows,
@@ -126,12 +126,12 @@ def markdown(folder: Path | None = None) -> str:
             + _table(
                 [
                     "lines",
-                    "engine after warm-up MB",
-                    "engine peak MB",
-                    "engine growth MB",
-                    "control after warm-up MB",
-                    "control peak MB",
-                    "control growth MB",
+                    "engine after warm-up MiB",
+                    "engine peak MiB",
+                    "engine growth MiB",
+                    "control after warm-up MiB",
+                    "control peak MiB",
+                    "control growth MiB",
                     "requests/s",
                 ],
                 rows,

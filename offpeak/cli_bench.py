@@ -42,13 +42,16 @@ def e2e(
     repeat: Annotated[
         int, typer.Option(help="Runs per leg, ordered a b c…c b a; the fastest of each counts.")
     ] = 1,
+    dtype: Annotated[
+        str, typer.Option(help="dtype for all three legs (float32: this CPU lacks bf16 units).")
+    ] = "float32",
     out: OutDir = None,
 ) -> None:
     """The real model three ways: vLLM's LLM.chat, vLLM's run_batch, Offpeak (a few minutes)."""
     _bench()
     from bench import e2e as module
 
-    module.run(requests, max_tokens, out, gpu_memory_utilization, repeat)
+    module.run(requests, max_tokens, out, gpu_memory_utilization, repeat, dtype)
 
 
 @bench_app.command("intake")
