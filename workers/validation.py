@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import psycopg
 from sqlalchemy.exc import DataError
 from sqlalchemy.orm import Session
 
@@ -267,7 +268,7 @@ def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str |
         else:
             try:
                 outcome = validate_into_rows(session, blobs, settings, batch, file.blob_key)
-            except DataError as exc:
+            except (DataError, psycopg.DataError) as exc:
                 # The database refused a value the checks above let through: that is the
                 # file's problem, so the batch fails with a message rather than retrying forever.
                 log.warning("batch %s: the database refused a value: %s", batch_id, exc)
@@ -275,7 +276,8 @@ def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str |
                     errors=[
                         wire.batch_error(
                             wire.INVALID_REQUEST,
-                            f"A request line holds a value that cannot be stored: {exc.orig}",
+                            "A request line holds a value that cannot be stored: "
+                            f"{getattr(exc, 'orig', exc)}",
                         )
                     ]
                 )
