@@ -174,6 +174,8 @@ class WorkerRecord(Base):
     started_at: Mapped[float] = mapped_column(Float)
     heartbeat_at: Mapped[float] = mapped_column(Float)
     ready: Mapped[bool] = mapped_column(Boolean, default=False)
+    #: ``control`` or ``engine`` (``control,engine`` for a worker consuming both kinds of queue).
+    role: Mapped[str] = mapped_column(String(32), default="engine", server_default="engine")
 
 
 class EngineChunk(Base):
