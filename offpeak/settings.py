@@ -242,6 +242,9 @@ class Settings(BaseSettings):
     flush_seconds: float = 1.0
     #: Seconds between sweeps (expiry, lost messages) run by the control worker.
     sweep_seconds: float = 10.0
+    #: A worker counts as alive while its last heartbeat is at most this many seconds old
+    #: (``/healthz``, the dashboard, ``offpeak submit --wait``); workers beat every quarter of it.
+    worker_alive_seconds: float = Field(default=60.0, gt=0)
     #: Comma-separated served model names this worker runs; empty means every configured model.
     worker_models: str = ""
     #: The scheduler: load signals, hysteresis, deadlines (``docs/scheduling.md``).
