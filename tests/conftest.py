@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +23,8 @@ from api.services import keys
 from offpeak.processes import ServiceProcesses
 from offpeak.settings import Settings
 from storage.db import session_scope
+from tests.services import free_port, own_postgres, own_redis  # noqa: F401 (fixtures for all)
+from tests.tree_check import tracked_files_unchanged
 
 PG_ADMIN = os.environ.get("OFFPEAK_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("OFFPEAK_TEST_REDIS", "redis://127.0.0.1:6379/7")
@@ -32,10 +33,12 @@ REDIS_URL = os.environ.get("OFFPEAK_TEST_REDIS", "redis://127.0.0.1:6379/7")
 CASES = Path(os.environ.get("OFFPEAK_CASES_DIR", Path(__file__).resolve().parent / "cases"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@pytest.fixture(scope="session", autouse=True)
+def leaves_tracked_files_alone() -> Iterator[None]:
+    """The run changes no tracked file of the checkout (``tests/tree_check.py``): a change
+    fails the session's last test at teardown."""
+    with tracked_files_unchanged(Path(__file__).resolve().parent):
+        yield
 
 
 @pytest.fixture(scope="session")
