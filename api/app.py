@@ -12,6 +12,7 @@ from api.errors import install_error_handlers
 from api.limits import BodyLimitMiddleware
 from api.routes import admin, batches, dashboard, files, health, metrics, models, usage
 from api.services import keys
+from api.surrogates import LoneSurrogateMiddleware
 from offpeak import __version__
 from offpeak.settings import Settings, get_settings
 from storage.db import session_scope
@@ -38,6 +39,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Offpeak", version=__version__, lifespan=lifespan)
     app.state.settings = settings
     install_error_handlers(app)
+    # Added first, so it runs inside the body limit: it buffers only bodies under that limit.
+    app.add_middleware(LoneSurrogateMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_file_bytes=settings.max_file_bytes)
     app.include_router(files.router)
     app.include_router(batches.router)

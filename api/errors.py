@@ -5,13 +5,20 @@ Every client mistake maps to a 4xx here; a 500 is only ever our bug.
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 
+from api.schemas import ErrorResponse
 from offpeak.wire import error_object
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -53,6 +60,27 @@ class Conflict(ApiError):
 class PayloadTooLarge(ApiError):
     status_code = 413
     code = "file_too_large"
+
+
+#: What each error status means on this API, for the OpenAPI document.
+_STATUS_DESCRIPTIONS = {
+    400: "A parameter is missing or invalid (OpenAI's invalid_request_error).",
+    401: "No API key, or an incorrect one.",
+    404: "No such object (also for another tenant's id).",
+    409: "The object's state does not allow this (e.g. cancelling a finished batch).",
+    413: "The request body is larger than the limit.",
+    422: "The request body is not valid JSON.",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for a route that can answer ``statuses``, each with OpenAI's
+    error body (``ErrorResponse``). Declaring 422 replaces FastAPI's own 422 schema, which is
+    not what this API sends."""
+    return {
+        status: {"model": ErrorResponse, "description": _STATUS_DESCRIPTIONS[status]}
+        for status in statuses
+    }
 
 
 def _param_from_loc(loc: tuple[object, ...]) -> str | None:
@@ -99,8 +127,39 @@ def install_error_handlers(app: FastAPI) -> None:
         message = "A value in the request cannot be stored or looked up (e.g. a NUL character)."
         return JSONResponse(error_object(message, code="invalid_value"), status_code=400)
 
+    @app.exception_handler(UnicodeEncodeError)
+    async def _unencodable(_request: Request, exc: UnicodeEncodeError) -> JSONResponse:
+        # A string the database driver cannot encode as UTF-8 holds a lone UTF-16 surrogate,
+        # which only a client's value can (``api.surrogates`` refuses such JSON bodies before
+        # the app reads them; this is the net under it). Any other encoding failure is our bug.
+        if exc.reason != "surrogates not allowed":
+            raise exc
+        log.warning("refused an unencodable value: %s", exc)
+        body = error_object(
+            "A string in the request is not valid Unicode text (it holds a lone UTF-16 "
+            "surrogate).",
+            code="invalid_value",
+        )
+        return JSONResponse(body, status_code=400)
+
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         body = error_object(str(exc.detail), param=None, code=code)
-        return JSONResponse(body, status_code=exc.status_code)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed_methods(request) or headers.get("Allow", "")
+        return JSONResponse(body, status_code=exc.status_code, headers=headers or None)
+
+
+def _allowed_methods(request: Request) -> str:
+    """``Allow`` of a 405 (RFC 9110 section 15.5.6): every method some route serves at this
+    path. Starlette's own header names only the first route that matched the path (``POST``
+    for ``PUT /v1/batches``, though ``GET`` is served there too)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if isinstance(route, Route) and route.methods:
+            match, _ = route.matches(request.scope)
+            if match is not Match.NONE:
+                methods |= route.methods
+    return ", ".join(sorted(methods))

@@ -10,6 +10,19 @@ from offpeak.pricing import Bill
 from storage.models import Batch, File
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer: OpenAI's ``{"error": {message, type, param, code}}``."""
+
+    error: ErrorDetail
+
+
 class FileObject(BaseModel):
     id: str
     object: Literal["file"] = "file"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from sqlalchemy import CursorResult, bindparam, delete, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from storage.models import Batch, EngineChunk, RequestLine, SchedulerState, WorkerRecord
@@ -56,13 +57,22 @@ def states_with_prefix(session: Session, prefix: str) -> dict[str, tuple[dict[st
 
 
 def put_state(session: Session, key: str, value: dict[str, Any], at: float) -> None:
-    """Create or replace ``key``."""
-    row = session.get(SchedulerState, key)
-    if row is None:
-        session.add(SchedulerState(key=key, value=value, updated_at=at))
-    else:
-        row.value, row.updated_at = value, at
-    session.flush()
+    """Create or replace ``key`` (``at``: unix seconds) in one statement.
+
+    An upsert (``INSERT … ON CONFLICT DO UPDATE``), not a read then a write: two writers of one
+    key (overlapping admin pause calls, engine workers of one pool storing load readings) would
+    otherwise both insert (a unique violation) or update a row a concurrent resume just deleted.
+    PostgreSQL and SQLite only, the two databases Offpeak runs on.
+    """
+    dialect = session.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    statement = insert(SchedulerState).values(key=key, value=value, updated_at=at)
+    session.execute(
+        statement.on_conflict_do_update(
+            index_elements=[SchedulerState.key],
+            set_={"value": statement.excluded.value, "updated_at": statement.excluded.updated_at},
+        )
+    )
 
 
 def delete_state(session: Session, key: str) -> bool:

@@ -1,0 +1,255 @@
+"""Faults at the API's edges, each injected for real: lone UTF-16 surrogates in JSON bodies,
+overlapping writers of one scheduler switch, a method a path does not serve, a broker that is
+down after a batch committed, and a cancel while validation copies the batch's rows in."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from openai import OpenAI
+from sqlalchemy import func, select
+
+from api.app import create_app
+from offpeak import queues
+from offpeak.settings import Settings
+from storage.blobs import BlobStore, get_blob_store
+from storage.db import session_scope
+from storage.models import Batch, RequestLine
+from storage.repositories import scheduler as scheduler_repo
+from tests.conftest import REDIS_URL, fresh_database, new_key
+
+LINE = (
+    b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": '
+    b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}}\n'
+)
+ADMIN_KEY = "sk-admin-faults"
+
+
+def upload(sdk: OpenAI, data: bytes = LINE) -> str:
+    return sdk.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch").id
+
+
+def openai_error(response: Any) -> dict[str, Any]:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.fixture(scope="module")
+def admin_http(settings: Settings) -> Iterator[TestClient]:
+    """The in-process API with the admin API on."""
+    with TestClient(create_app(settings.model_copy(update={"admin_api_key": ADMIN_KEY}))) as c:
+        yield c
+
+
+# --- Lone surrogates ----------------------------------------------------------------------------
+
+SURROGATE = "\\ud800"  # as JSON spells it; json.loads makes a str no UTF-8 encoder accepts
+
+
+@pytest.mark.parametrize(
+    ("template", "param"),
+    [
+        ('{"input_file_id": "%s", "endpoint": "/v1/chat/completions", '
+         '"completion_window": "24h"}', "input_file_id"),
+        ('{"input_file_id": "FILE", "endpoint": "/v1/chat/completions", '
+         '"completion_window": "24h", "metadata": {"team": "a%sb"}}', "metadata.team"),
+        ('{"input_file_id": "FILE", "endpoint": "/v1/chat/completions", '
+         '"completion_window": "24h", "metadata": {"%s": "v"}}', "metadata.\\ud800"),
+        ('{"input_file_id": "FILE", "endpoint": "/v1/chat/completions", '
+         '"completion_window": "%s"}', "completion_window"),
+        ('{"input_file_id": "FILE", "endpoint": "/v1/chat/completions", '
+         '"completion_window": "24h", "output_expires_after": {"anchor": ["%s"]}}',
+         "output_expires_after.anchor.0"),
+    ],
+)  # fmt: skip
+def test_lone_surrogate_in_batch_create_is_400(
+    http: TestClient, sdk: OpenAI, api_key: str, template: str, param: str
+) -> None:
+    body = (template % SURROGATE).replace("FILE", upload(sdk))
+    response = http.post(
+        "/v1/batches",
+        content=body.encode(),
+        headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
+    )
+    assert response.status_code == 400, response.text
+    error = openai_error(response)
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_value"
+    assert error["param"] == param and "surrogate" in error["message"]
+    assert sdk.batches.list().data == []
+
+
+def test_lone_surrogate_as_raw_bytes_is_400(http: TestClient, api_key: str) -> None:
+    # ED A0 80 is how a surrogate would be "UTF-8"-encoded; json.loads(bytes) lets it through.
+    body = b'{"input_file_id": "\xed\xa0\x80", "endpoint": "/v1/chat/completions", ' \
+        b'"completion_window": "24h"}'  # fmt: skip
+    response = http.post(
+        "/v1/batches",
+        content=body,
+        headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
+    )
+    assert response.status_code == 400 and openai_error(response)["param"] == "input_file_id"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/admin/scheduler/pause", {"pool": SURROGATE}, "pool"),
+        ("/v1/admin/scheduler/pause", {"pool": "p", "reason": SURROGATE}, "reason"),
+        ("/v1/admin/scheduler/resume", {"pool": SURROGATE}, "pool"),
+    ],
+)
+def test_lone_surrogate_in_admin_calls_is_400(
+    admin_http: TestClient, path: str, body: dict[str, str], param: str
+) -> None:
+    raw = json.dumps(body).replace("\\\\ud800", "\\ud800")  # undo json.dumps' escaping of "\"
+    response = admin_http.post(
+        path,
+        content=raw.encode(),
+        headers={"Authorization": f"Bearer {ADMIN_KEY}", "Content-Type": "application/json"},
+    )
+    assert response.status_code == 400, response.text
+    assert openai_error(response)["param"] == param
+
+
+def test_unencodable_value_reaching_the_database_is_400(
+    http: TestClient, api_key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The net under the body check: a surrogate that reaches the driver by another way (here
+    planted in the query string after Starlette decoded it) is still the client's 400."""
+    from starlette.requests import Request
+
+    real = Request.query_params.fget  # type: ignore[attr-defined]
+
+    def planted(self: Request) -> Any:
+        params = real(self)
+        if "after" in params:
+            from starlette.datastructures import QueryParams
+
+            return QueryParams({"after": "\ud800"})
+        return params
+
+    monkeypatch.setattr(Request, "query_params", property(planted))
+    response = http.get("/v1/batches?after=x", headers={"Authorization": f"Bearer {api_key}"})
+    assert response.status_code == 400, response.text
+    assert openai_error(response)["code"] == "invalid_value"
+
+
+# --- Overlapping writers of one scheduler switch ------------------------------------------------
+
+
+def test_concurrent_pause_and_resume_never_fail(admin_http: TestClient) -> None:
+    """Pause and resume calls on one pool, overlapping from many threads: every one is a 200."""
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    pool = f"race-{time.time_ns()}"
+    pairs, rounds = 10, 5
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def call(path: str, body: dict[str, object], barrier: threading.Barrier) -> None:
+        barrier.wait()
+        response = admin_http.post(path, json=body, headers=headers)
+        with lock:
+            statuses.append(response.status_code)
+
+    for _ in range(rounds):
+        barrier = threading.Barrier(2 * pairs)
+        threads = [
+            threading.Thread(target=call, args=(path, body, barrier))
+            for _ in range(pairs)
+            for path, body in (
+                ("/v1/admin/scheduler/pause", {"pool": pool, "reason": "race"}),
+                ("/v1/admin/scheduler/resume", {"pool": pool}),
+            )
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert statuses == [200] * (2 * pairs * rounds)
+    admin_http.post("/v1/admin/scheduler/resume", json={"pool": pool}, headers=headers)
+
+
+def backend_pid(session: Any) -> int:
+    return int(session.scalar(select(func.pg_backend_pid())))
+
+
+def wait_until_blocked(database_url: str, pid: int, done: Callable[[], bool]) -> bool:
+    """Poll until backend ``pid`` waits for a lock (``True``) or ``done()`` holds (``False``)."""
+    dsn = database_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while not done():
+            row = conn.execute(
+                "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+            ).fetchone()
+            if row is not None and row[0] == "Lock":
+                return True
+            time.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("first", ["put", "delete"])
+def test_put_state_waits_for_a_concurrent_writer_instead_of_failing(
+    settings: Settings, first: str
+) -> None:
+    """A second writer of a key whose first writer has not committed yet (an insert, or a
+    resume's delete) waits for it, then wins: no unique violation, no update of a deleted row."""
+    url = settings.resolved_database_url
+    key = f"paused:overlap-{first}-{time.time_ns()}"
+    with session_scope(url) as session:
+        scheduler_repo.put_state(session, key, {"paused": True, "n": 0}, 1.0)
+    if first == "put":
+        with session_scope(url) as session:
+            scheduler_repo.delete_state(session, key)
+    outcome: list[object] = []
+    pid: list[int] = []
+    started = threading.Event()
+
+    def second_writer() -> None:
+        try:
+            with session_scope(url) as session:
+                pid.append(backend_pid(session))
+                started.set()
+                scheduler_repo.put_state(session, key, {"paused": True, "n": 2}, 2.0)
+            outcome.append("ok")
+        except Exception as exc:  # the old read-then-write failed here
+            outcome.append(exc)
+        finally:
+            started.set()
+
+    with session_scope(url) as session:
+        if first == "put":
+            scheduler_repo.put_state(session, key, {"paused": True, "n": 1}, 1.5)
+        else:
+            scheduler_repo.delete_state(session, key)
+        thread = threading.Thread(target=second_writer)
+        thread.start()
+        started.wait()
+        # Commit the first writer only once the second one waits on it.
+        wait_until_blocked(url, pid[0], lambda: bool(outcome))
+    thread.join()
+    assert outcome == ["ok"], outcome
+    with session_scope(url) as session:
+        assert scheduler_repo.get_states(session, [key]) == {key: {"paused": True, "n": 2}}
+        scheduler_repo.delete_state(session, key)
+
+
+# --- 405 ------------------------------------------------------------------------------------------
+
+
+def test_405_says_which_methods_are_allowed(http: TestClient, api_key: str) -> None:
+    response = http.put("/v1/batches", headers={"Authorization": f"Bearer {api_key}"})
+    assert response.status_code == 405
+    assert {m.strip() for m in response.headers["allow"].split(",")} == {"GET", "POST"}
+    assert openai_error(response)["code"] == "method_not_allowed"
+    response = http.delete("/v1/batches/batch_x/cancel")
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
