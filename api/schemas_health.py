@@ -44,7 +44,8 @@ class Health(BaseModel):
     #: Unix seconds of this answer.
     checked_at: float
     worker_alive_seconds: float
-    database: Literal["ok", "unavailable"]
+    #: ``not_migrated``: it answers, but its schema is not the code's (``offpeak migrate``).
+    database: Literal["ok", "unavailable", "not_migrated"]
     workers: list[WorkerHealth]
     models: list[ModelHealth]
     models_without_engine_worker: list[str]

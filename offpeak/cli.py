@@ -179,13 +179,26 @@ def submit(
         bool, typer.Option("--wait", help="Show progress until the batch ends.")
     ] = False,
 ) -> None:
-    """Upload FILE and create a batch (through the OpenAI SDK, as a user's code would)."""
+    """Upload FILE and create a batch (through the OpenAI SDK, as a user's code would). With
+    --wait, warns on stderr when no live worker can run the batch (from the server's /healthz)."""
     from offpeak import client_tools
 
     batch = client_tools.submit(_client(), file, endpoint, window)
     console.print(f"batch [bold]{batch.id}[/bold] created ({batch.status})")
     if wait:
-        batch = client_tools.wait_with_progress(_client(), batch.id, console)
+        from rich.text import Text
+
+        # Warnings go to stderr (inside the progress display on a terminal), never failing.
+        stderr = Console(stderr=True)
+        batch = client_tools.wait_with_progress(
+            _client(),
+            batch.id,
+            console,
+            model=client_tools.first_model(file),
+            warn=lambda message: stderr.print(
+                Text.assemble(("warning: ", "yellow"), message), soft_wrap=True
+            ),
+        )
         client_tools.print_summary(batch, console)
 
 

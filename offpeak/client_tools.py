@@ -4,11 +4,12 @@ a user's own code would talk to Offpeak."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
-from openai import OpenAI
+from openai import APIError, OpenAI
 from openai.types import Batch
 from rich.console import Console
 from rich.progress import (
@@ -22,6 +23,8 @@ from rich.progress import (
 from rich.table import Table
 
 ENDED = ("completed", "failed", "expired", "cancelled")
+#: Seconds between two reads of ``/healthz`` while waiting (each may warn once).
+HEALTH_EVERY_SECONDS = 10.0
 
 
 def first_url(path: Path) -> str:
@@ -32,6 +35,53 @@ def first_url(path: Path) -> str:
             if raw:
                 return str(orjson.loads(raw).get("url") or "/v1/chat/completions")
     return "/v1/chat/completions"
+
+
+def first_model(path: Path) -> str | None:
+    """The ``body.model`` of the file's first request line, or None if it has none."""
+    with path.open("rb") as handle:
+        for raw in handle:
+            raw = raw.strip().removeprefix(b"\xef\xbb\xbf")
+            if raw:
+                try:
+                    model = orjson.loads(raw).get("body", {}).get("model")
+                except (orjson.JSONDecodeError, AttributeError):
+                    return None
+                return model if isinstance(model, str) else None
+    return None
+
+
+def health(client: OpenAI) -> dict[str, Any] | None:
+    """The server's ``/healthz`` answer (next to the ``/v1`` base URL), through the SDK's own
+    HTTP client; None when it does not answer it (an older server, a proxy, a network fault):
+    a health read is advice and must never fail the caller."""
+    base = client.base_url
+    root = base.path.rstrip("/").removesuffix("/v1")
+    url = str(base.copy_with(path=f"{root}/healthz", query=None))
+    try:
+        answer = client.get(url, cast_to=object, options={"max_retries": 0, "timeout": 5.0})
+    except (APIError, OSError):
+        return None
+    return answer if isinstance(answer, dict) else None
+
+
+def liveness_warnings(answer: dict[str, Any], model: str | None) -> dict[str, str]:
+    """What a ``/healthz`` answer means for a batch of ``model``: ``{"engine": message}`` when no
+    live engine worker serves it, ``{"control": message}`` when no control worker is alive."""
+    out: dict[str, str] = {}
+    if answer.get("database") != "ok":
+        return out  # nothing is known about the workers
+    for row in answer.get("models") or []:
+        if model is not None and row.get("model") == model and not row.get("engine_workers"):
+            message = row.get("message") or f"no engine worker serving {model}"
+            out["engine"] = f"{message}; the batch waits until one runs (`offpeak worker`)"
+    roles = [str(w.get("role", "")).split(",") for w in answer.get("workers") or []]
+    if not any("control" in r for r in roles):
+        out["control"] = (
+            "no control worker is alive; the batch is not validated or finalized until one "
+            "runs (`offpeak worker --role control`)"
+        )
+    return out
 
 
 def submit(
@@ -51,9 +101,23 @@ def submit(
     )
 
 
-def wait_with_progress(client: OpenAI, batch_id: str, console: Console, poll: float = 1.0) -> Batch:
+def wait_with_progress(
+    client: OpenAI,
+    batch_id: str,
+    console: Console,
+    poll: float = 1.0,
+    *,
+    model: str | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> Batch:
     """Poll until the batch ends, with a progress bar of finished request lines, output
-    tokens/s since the first poll and the time left at the current pace (ETA)."""
+    tokens/s since the first poll and the time left at the current pace (ETA).
+
+    With ``warn``, reads ``/healthz`` every ``HEALTH_EVERY_SECONDS`` while the batch runs and
+    calls ``warn`` (once per kind) when no live engine worker serves the batch's model (the
+    server's, else ``model``) or no control worker is alive. It never fails the wait."""
+    warned: set[str] = set()
+    next_health = 0.0
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -84,6 +148,14 @@ def wait_with_progress(client: OpenAI, batch_id: str, console: Console, poll: fl
             )
             if batch.status in ENDED:
                 return _billed(client, batch, poll)
+            if warn is not None and time.monotonic() >= next_health:
+                next_health = time.monotonic() + HEALTH_EVERY_SECONDS
+                answer = health(client)
+                batch_model = getattr(batch, "model", None) or model
+                for kind, message in liveness_warnings(answer or {}, batch_model).items():
+                    if kind not in warned:
+                        warned.add(kind)
+                        warn(message)
             time.sleep(poll)
 
 

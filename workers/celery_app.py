@@ -11,4 +11,5 @@ app.conf.beat_schedule = {
 }
 app.conf.beat_schedule_filename = str(get_settings().data_dir.resolve() / "celerybeat-schedule")
 
+import workers.liveness  # noqa: E402,F401  (every worker process heartbeats: /healthz)
 import workers.tasks  # noqa: E402,F401  (registers the tasks on ``app``)

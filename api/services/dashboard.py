@@ -1,5 +1,6 @@
 """The dashboard's data: the tenant's latest batches with their figures, throughput and queue per
-model, and the last hours of batch tokens/s against the real-time load signal."""
+model, the last hours of batch tokens/s against the real-time load signal, and the workers that
+are missing (a model with no live engine worker, no control worker)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from api.schemas import BatchObject
 from api.services import batches as batches_service
+from api.services import health as health_service
 from api.services import usage as usage_service
 from offpeak import pricing
 from offpeak.settings import Settings
@@ -101,5 +103,7 @@ def data(
         "load": load_now,
         "batches": [BatchObject.of(b, bills[b.id]).model_dump() for b in batches],
         "models": _models(session, settings, at),
+        # Models no live engine worker serves, a missing control worker: why work may not move.
+        "alerts": health_service.alerts(session, settings, at),
         "series": _series(session, at, hours),
     }

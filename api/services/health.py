@@ -11,11 +11,12 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Literal
 
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, text
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 import migrations
@@ -61,23 +62,28 @@ class Liveness:
     at: float
     alive: list[WorkerRecord]
     models: list[ModelHealth]
-    #: Seconds since a control worker was last heard from; 0 while one is alive, None if none
-    #: ever registered.
+    control_alive: bool
+    #: Seconds since a control worker was last heard from, when none is alive; None while one
+    #: is, or when none ever registered.
     seconds_without_control: float | None
 
     @property
     def unserved(self) -> list[ModelHealth]:
         return [m for m in self.models if not m.engine_workers]
 
+    def control_problem(self) -> str | None:
+        """Why no control worker is alive, in words; None while one is."""
+        if self.control_alive:
+            return None
+        if self.seconds_without_control is None:
+            return "no control worker: none has registered (batches stay validating)"
+        gone = duration(self.seconds_without_control)
+        return f"no control worker for {gone} (batches stay validating or finalizing)"
+
     def problems(self) -> list[str]:
         """The unhealthy parts, in words: a missing control worker, then each unserved model."""
-        out = []
-        if self.seconds_without_control is None:
-            out.append("no control worker: none has registered (batches stay validating)")
-        elif self.seconds_without_control > 0:
-            gone = duration(self.seconds_without_control)
-            out.append(f"no control worker for {gone} (batches stay validating or finalizing)")
-        return out + [m.message for m in self.unserved if m.message]
+        control = self.control_problem()
+        return ([control] if control else []) + [m.message for m in self.unserved if m.message]
 
 
 def _has_role(record: WorkerRecord, role: str) -> bool:
@@ -106,13 +112,32 @@ def liveness(session: Session, settings: Settings, at: float | None = None) -> L
             )
         )
     controls = [r for r in records if _has_role(r, "control")]
-    if any(r in alive for r in controls):
-        without_control: float | None = 0.0
-    elif controls:
+    control_alive = any(r in alive for r in controls)
+    without_control = None
+    if controls and not control_alive:
         without_control = max(at - max(r.heartbeat_at for r in controls), 0.0)
-    else:
-        without_control = None
-    return Liveness(at, alive, models, without_control)
+    return Liveness(at, alive, models, control_alive, without_control)
+
+
+def alerts(session: Session, settings: Settings, at: float) -> list[dict[str, object]]:
+    """The dashboard's warnings at ``at``: one per configured model without a live engine
+    worker (``kind`` ``no_engine_worker``, ``model``, ``seconds`` without one or null if none
+    ever registered, ``message``), then one if no control worker is alive."""
+    state = liveness(session, settings, at)
+    out: list[dict[str, object]] = [
+        {
+            "kind": "no_engine_worker",
+            "model": m.model,
+            "seconds": m.seconds_without_engine_worker,
+            "message": m.message,
+        }
+        for m in state.unserved
+    ]
+    control = state.control_problem()
+    if control:
+        seconds = state.seconds_without_control
+        out.append({"kind": "no_control_worker", "seconds": seconds, "message": control})
+    return out
 
 
 @lru_cache(maxsize=8)
@@ -152,16 +177,17 @@ def health(settings: Settings) -> Health:
             state = liveness(session, settings, at)
     except SQLAlchemyError as exc:
         log.warning("health check: the database did not answer: %s", exc)
+        database, problem = _database_problem(settings, exc)
         return Health(
             status="degraded",
             version=__version__,
             checked_at=at,
             worker_alive_seconds=settings.worker_alive_seconds,
-            database="unavailable",
+            database=database,
             workers=[],
             models=[],
             models_without_engine_worker=[],
-            problems=[f"the database does not answer ({type(exc).__name__})"],
+            problems=[problem],
         )
     problems = state.problems()
     return Health(
@@ -185,6 +211,21 @@ def health(settings: Settings) -> Health:
         models_without_engine_worker=[m.model for m in state.unserved],
         problems=problems,
     )
+
+
+def _database_problem(
+    settings: Settings, exc: SQLAlchemyError
+) -> tuple[Literal["unavailable", "not_migrated"], str]:
+    """What a failed health read means. A database that answered but refused the query (no
+    such table or column) is asked for its schema revision; a connection fault is not asked
+    twice, so a hung server costs one timeout."""
+    if not isinstance(exc, OperationalError):
+        try:
+            readiness(settings)
+        except NotReady as not_ready:
+            if not_ready.code == "schema_out_of_date":
+                return "not_migrated", not_ready.message
+    return "unavailable", f"the database does not answer ({type(exc).__name__})"
 
 
 class NotReady(Exception):

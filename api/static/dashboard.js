@@ -52,6 +52,7 @@ function el(tag, attrs = {}, ...children) {
 function showKeyForm(message) {
   clearTimeout(timer);
   $("content").hidden = true;
+  $("alerts").hidden = true;
   $("key-form").hidden = false;
   $("state").textContent = "no key";
   $("error").hidden = !message;
@@ -76,6 +77,16 @@ function renderModels(models, windowSeconds) {
     box.append(el("div", { class: "card", "data-model": m.model },
       el("h3", { textContent: m.model }), dl,
       el("p", { class: "muted", textContent: `last ${windowSeconds} s` })));
+  }
+}
+
+function renderAlerts(alerts) {
+  const box = $("alerts");
+  box.replaceChildren();
+  box.hidden = !alerts.length;
+  for (const a of alerts) {
+    box.append(el("li", { class: "alert " + a.kind, "data-kind": a.kind,
+      "data-model": a.model || "", textContent: a.message }));
   }
 }
 
@@ -204,6 +215,7 @@ async function refresh() {
       ? "load now: " + loads.map(([s, v]) => `${s} ${num(v, 2)}`).join(", ")
       : "";
     $("updated").textContent = "updated " + clock(data.generated_at, true);
+    renderAlerts(data.alerts || []);
     renderModels(data.models, data.window_seconds);
     renderBatches(data.batches);
     renderChart(data.series);
