@@ -6,12 +6,15 @@ commits on success and rolls back on error; services and repositories only ``flu
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
+
+log = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=8)
@@ -56,18 +59,26 @@ def is_postgres(session: Session) -> bool:
     return session.get_bind().dialect.name == "postgresql"
 
 
-def after_commit(session: Session, callback: Callable[[], None]) -> None:
+def after_commit(session: Session, callback: Callable[[], None], what: str = "") -> None:
     """Run ``callback`` once this session's transaction commits; drop it if it rolls back.
 
-    Used to send a task only when the rows it reads are visible to the worker.
+    Used to send a task only when the rows it reads are visible to the worker. A callback that
+    raises is logged and skipped, never raised: the transaction has committed, so the caller's
+    work is done (an HTTP client must get its answer, not a 500 that makes it retry and create
+    the batch twice). Only send what the periodic sweep (``workers.tasks.sweep``) would send
+    again from the rows. ``what`` names the step in that log line (e.g. ``"validate batch_…"``).
     """
-    session.info.setdefault("after_commit", []).append(callback)
+    session.info.setdefault("after_commit", []).append((callback, what))
 
 
 @event.listens_for(Session, "after_commit")
 def _run_after_commit(session: Session) -> None:
-    for callback in session.info.pop("after_commit", []):
-        callback()
+    for callback, what in session.info.pop("after_commit", []):
+        try:
+            callback()
+        except Exception:
+            # e.g. the broker is down: the rows say what is owed, and the sweep re-sends it.
+            log.exception("after commit: %s failed; the sweep re-sends it", what or callback)
 
 
 @event.listens_for(Session, "after_rollback")

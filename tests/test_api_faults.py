@@ -22,8 +22,10 @@ from api.app import create_app
 from offpeak import queues
 from offpeak.settings import Settings
 from storage.blobs import BlobStore, get_blob_store
-from storage.db import session_scope
+from storage.db import get_sessionmaker, session_scope
 from storage.models import Batch, RequestLine
+from storage.repositories import batches as batches_repo
+from storage.repositories import requests as requests_repo
 from storage.repositories import scheduler as scheduler_repo
 from tests.conftest import REDIS_URL, fresh_database, new_key
 
@@ -253,3 +255,213 @@ def test_405_says_which_methods_are_allowed(http: TestClient, api_key: str) -> N
     assert openai_error(response)["code"] == "method_not_allowed"
     response = http.delete("/v1/batches/batch_x/cancel")
     assert response.status_code == 405 and response.headers["allow"] == "POST"
+
+
+# --- A broker that is down after the batch committed --------------------------------------------
+
+DEAD_BROKER = "redis://127.0.0.1:1/0"  # nothing listens on port 1: every send is refused
+
+
+@pytest.fixture(scope="module")
+def own_settings(settings: Settings, run_id: str) -> Iterator[Settings]:
+    """Settings on a database of this module's own (its sweep and lock checks see only this
+    module's batches and backends) and a queue prefix nobody consumes."""
+    with fresh_database(f"offpeak_{run_id}_apifaults") as url:
+        yield settings.model_copy(
+            update={"database_url": url, "queue_prefix": f"{run_id}-apifaults"}
+        )
+
+
+def own_sdk(http: TestClient, settings: Settings) -> OpenAI:
+    return OpenAI(
+        base_url="http://testserver/v1", api_key=new_key(settings), http_client=http, max_retries=0
+    )
+
+
+def queued(settings: Settings, task: str) -> list[str]:
+    """The argument lists (as Celery's ``argsrepr``) of ``task`` messages queued in Redis."""
+    client = redis.Redis.from_url(REDIS_URL)
+    found = []
+    for raw in client.lrange(queues.control_queue(settings), 0, -1):
+        headers = json.loads(raw)["headers"]
+        if headers["task"] == task:
+            found.append(headers["argsrepr"])
+    return found
+
+
+def batch_rows(settings: Settings, tenant_file: str) -> int:
+    with session_scope(settings.resolved_database_url) as session:
+        query = select(func.count()).select_from(Batch).where(Batch.input_file_id == tenant_file)
+        return int(session.scalar(query) or 0)
+
+
+def test_broker_down_after_commit_still_answers_and_the_sweep_resends(
+    own_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Create and cancel with the broker down: both answer 200 (the rows committed; a 500 would
+    make the client retry and create the batch twice), and the sweep sends what is owed."""
+    dead = own_settings.model_copy(update={"broker_url": DEAD_BROKER})
+    with TestClient(create_app(dead), raise_server_exceptions=False) as http:
+        sdk = own_sdk(http, dead)
+        file_id = upload(sdk)
+        batch = sdk.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert batch.status == "validating"
+        other = sdk.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert sdk.batches.cancel(other.id).status == "cancelling"
+        assert {b.id for b in sdk.batches.list()} == {batch.id, other.id}
+    assert batch_rows(own_settings, file_id) == 2  # each created once
+
+    from workers import tasks
+
+    client = redis.Redis.from_url(REDIS_URL)
+    client.delete(queues.control_queue(own_settings))
+    monkeypatch.setattr(tasks, "get_settings", lambda: own_settings)
+    try:
+        tasks.sweep()
+        assert repr([batch.id]) in queued(own_settings, queues.VALIDATE_TASK)
+        assert repr([other.id]) in queued(own_settings, queues.FINALIZE_TASK)
+    finally:
+        client.delete(queues.control_queue(own_settings))
+
+
+# --- Cancel while validation copies the rows in -------------------------------------------------
+
+
+class GatedBlobs:
+    """A blob store whose reads stop after the first piece of a file until ``gate`` is set,
+    so a validation holds its transaction open mid-``COPY`` for as long as the test wants."""
+
+    def __init__(self, inner: BlobStore) -> None:
+        self.inner = inner
+        self.reached, self.gate = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def iter_chunks(self, key: str) -> Iterator[bytes]:
+        for number, chunk in enumerate(self.inner.iter_chunks(key)):
+            yield chunk
+            if number == 1:  # a whole piece's rows went to the COPY already
+                self.reached.set()
+                self.gate.wait()
+
+
+def lock_waiters(settings: Settings) -> int:
+    """Backends of this module's database that wait for a lock."""
+    dsn = settings.resolved_database_url.replace("postgresql+psycopg://", "postgresql://")
+    name = dsn.rsplit("/", 1)[1]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock'",
+            (name,),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def waits_for_a_lock(settings: Settings, call: threading.Thread) -> bool:
+    """Whether ``call`` (started) ends up waiting for a lock before it finishes."""
+    while call.is_alive():
+        if lock_waiters(settings):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def many_lines(count: int) -> bytes:
+    return b"".join(LINE.replace(b'"a"', b'"line-%d"' % i) for i in range(count))
+
+
+def cancel_in_thread(sdk: OpenAI, batch_id: str, answers: list[Any]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: answers.append(sdk.batches.cancel(batch_id)))
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("finalize_first", [False, True])
+def test_cancel_during_validation_answers_at_once_and_the_batch_ends_cancelled(
+    own_settings: Settings, finalize_first: bool
+) -> None:
+    """A validation mid-``COPY`` holds its transaction open; a cancel answers ``cancelling``
+    without waiting for it, validation then drops its rows instead of starting the batch, and
+    finalize ends it ``cancelled`` (before or after validation lets go)."""
+    from workers.finalize import finalize
+    from workers.validation import run_validation
+
+    blobs = GatedBlobs(get_blob_store(own_settings.resolved_blob_url))
+    with TestClient(create_app(own_settings)) as http:
+        sdk = own_sdk(http, own_settings)
+        data = many_lines(20_000)  # ~3 MiB: several 1 MiB pieces
+        batch = sdk.batches.create(
+            input_file_id=upload(sdk, data),
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
+        validated: list[str | None] = []
+        validation = threading.Thread(
+            target=lambda: validated.append(run_validation(own_settings, blobs, batch.id))
+        )
+        validation.start()
+        try:
+            assert blobs.reached.wait(timeout=120), "validation never got to its second piece"
+            # The sweep re-sends validations: a second one skips at once, without waiting.
+            assert run_validation(own_settings, blobs.inner, batch.id) is None
+            answers: list[Any] = []
+            cancel = cancel_in_thread(sdk, batch.id, answers)
+            blocked = waits_for_a_lock(own_settings, cancel)
+            if not finalize_first:
+                blobs.gate.set()
+            if blocked:
+                blobs.gate.set()
+            cancel.join()
+            assert not blocked, "the cancel waited for validation's lock"
+            assert answers[0].status == "cancelling" and answers[0].cancelling_at is not None
+            if finalize_first:
+                assert finalize(own_settings, blobs.inner, batch.id).done
+                blobs.gate.set()
+        finally:
+            blobs.gate.set()
+            validation.join()
+        assert validated == [None]  # not started: no drain is sent
+        if not finalize_first:
+            for _ in range(3):
+                if finalize(own_settings, blobs.inner, batch.id).done:
+                    break
+        ended = sdk.batches.retrieve(batch.id)
+    assert ended.status == "cancelled" and ended.cancelled_at is not None
+    assert ended.request_counts.total == 0
+    with session_scope(own_settings.resolved_database_url) as session:
+        rows = select(func.count()).select_from(RequestLine)
+        assert session.scalar(rows.where(RequestLine.batch_id == batch.id)) == 0
+
+
+def test_cancel_does_not_wait_for_a_transaction_inserting_the_batch_rows(
+    own_settings: Settings,
+) -> None:
+    """Inserting request rows locks their batch row ``FOR KEY SHARE`` (the foreign key) until
+    the transaction ends, as validation's ``COPY`` does: a cancel must not wait for it."""
+    with TestClient(create_app(own_settings)) as http:
+        sdk = own_sdk(http, own_settings)
+        batch = sdk.batches.create(
+            input_file_id=upload(sdk), endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        inserting = get_sessionmaker(own_settings.resolved_database_url)()
+        try:
+            row = batches_repo.get_any(inserting, batch.id)
+            assert row is not None
+            line = LINE.decode().strip()
+            requests_repo.bulk_insert(
+                inserting, [(batch.id, 1, "a", "SmolLM2-135M-Instruct", row.expires_at, line)]
+            )
+            answers: list[Any] = []
+            cancel = cancel_in_thread(sdk, batch.id, answers)
+            blocked = waits_for_a_lock(own_settings, cancel)
+        finally:
+            inserting.rollback()
+            inserting.close()
+        cancel.join()
+        assert not blocked, "the cancel waited for the inserting transaction"
+        assert answers[0].status == "cancelling"

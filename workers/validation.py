@@ -246,12 +246,16 @@ def _valid_rows(
 def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str | None:
     """Validate a ``validating`` batch: on success its rows exist and it is ``in_progress``;
     otherwise it is ``failed`` with ``errors``. Returns the batch's model when it is ready to
-    run, else ``None``. Idempotent: a batch no longer ``validating`` is left alone."""
+    run, else ``None``. Idempotent: a batch no longer ``validating`` is left alone, and a batch
+    cancelled while its file was being read stays ``cancelling``, without rows."""
     url = settings.resolved_database_url
     with session_scope(url) as session:
-        # skip_locked: a batch locked by another validation is being validated already (the
-        # sweep re-sends validations), and waiting would tie up a control worker thread.
-        batch = batches_repo.get_for_update(session, batch_id, skip_locked=True)
+        # Skip a batch another validation holds (the sweep re-sends validations; waiting would
+        # tie up a control worker thread). The lock is not the batch row's: a cancel must be
+        # able to change the status while the rows are copied in (``batches_repo``).
+        if not batches_repo.try_lock_validation(session, batch_id):
+            return None
+        batch = batches_repo.get_any(session, batch_id)
         if batch is None or batch.status != "validating":
             return None
         file = files_repo.get_any(session, batch.input_file_id)
@@ -281,13 +285,17 @@ def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str |
                         )
                     ]
                 )
-        if not outcome.errors:
+        # Lock the row only now, and read it again: a cancel may have come in meanwhile.
+        batch = batches_repo.get_for_update(session, batch_id, refresh=True)
+        assert batch is not None
+        if not outcome.errors and batch.status == "validating":
             batch.status, batch.in_progress_at = "in_progress", now()
             batch.model, batch.total = outcome.model, outcome.total
             return outcome.model
-        session.rollback()  # drop any rows inserted before the first problem was found
+        session.rollback()  # drop the rows (all of them if cancelled, else those before a problem)
         batch = batches_repo.get_for_update(session, batch_id)
-        assert batch is not None
+        if batch is None or batch.status != "validating":
+            return None  # cancelled meanwhile: finalize ends it as ``cancelled``
         batch.status, batch.failed_at = "failed", now()
         batch.errors = outcome.errors
         log.info("batch %s failed validation: %d problems", batch_id, len(outcome.errors))

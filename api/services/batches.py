@@ -95,7 +95,9 @@ def create(session: Session, settings: Settings, tenant_id: str, request: Create
             output_tokens=0,
         ),
     )
-    after_commit(session, lambda: queues.send_validate(settings, batch.id))
+    after_commit(
+        session, lambda: queues.send_validate(settings, batch.id), f"sending validate {batch.id}"
+    )
     return batch
 
 
@@ -121,9 +123,13 @@ def cancel(session: Session, settings: Settings, tenant_id: str, batch_id: str) 
 
     Idempotent for a batch already cancelling or cancelled. Raises ``Conflict`` (409) for a
     batch that has finished or is finalizing, ``NotFound`` for an unknown id.
+
+    Answers at once while the batch is being validated: the row lock taken here does not wait
+    for validation's ``COPY`` (``no_key``), and validation, seeing ``cancelling`` when it ends,
+    drops its rows instead of starting the batch.
     """
     get(session, tenant_id, batch_id)
-    batch = batches_repo.get_for_update(session, batch_id)
+    batch = batches_repo.get_for_update(session, batch_id, no_key=True, refresh=True)
     assert batch is not None
     if batch.status in ("cancelling", "cancelled"):
         return batch
@@ -132,5 +138,7 @@ def cancel(session: Session, settings: Settings, tenant_id: str, batch_id: str) 
     batch.status = "cancelling"
     batch.cancelling_at = now()
     session.flush()
-    after_commit(session, lambda: queues.send_finalize(settings, batch.id))
+    after_commit(
+        session, lambda: queues.send_finalize(settings, batch.id), f"sending finalize {batch.id}"
+    )
     return batch

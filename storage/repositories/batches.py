@@ -24,11 +24,47 @@ def get(session: Session, tenant_id: str, batch_id: str) -> Batch | None:
     return session.scalar(select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id))
 
 
-def get_for_update(session: Session, batch_id: str, skip_locked: bool = False) -> Batch | None:
+def get_for_update(
+    session: Session,
+    batch_id: str,
+    skip_locked: bool = False,
+    *,
+    no_key: bool = False,
+    refresh: bool = False,
+) -> Batch | None:
     """The batch, row-locked until the transaction ends (tasks serialize on it). With
-    ``skip_locked``, ``None`` when another transaction holds the lock."""
+    ``skip_locked``, ``None`` when another transaction holds the lock.
+
+    ``no_key``: PostgreSQL's ``FOR NO KEY UPDATE``, for a change of status only. It still
+    serializes with every other status change, but not with the ``FOR KEY SHARE`` lock that
+    inserting request rows takes on their batch (the foreign key's check), so it does not wait
+    for a validation that copied rows in and has not committed yet. ``refresh``: re-read the row
+    even if the session holds it (a status read before the lock may be stale).
+    """
     query = select(Batch).where(Batch.id == batch_id)
-    return session.scalar(query.with_for_update(skip_locked=skip_locked))
+    query = query.with_for_update(skip_locked=skip_locked, key_share=no_key)
+    if refresh:
+        query = query.execution_options(populate_existing=True)
+    return session.scalar(query)
+
+
+#: First key of the validation advisory locks (PostgreSQL's two-key form), so they cannot
+#: collide with another use of advisory locks on the same database.
+_VALIDATION_LOCK_SPACE = 0x0FF0_0001
+
+
+def try_lock_validation(session: Session, batch_id: str) -> bool:
+    """Take the batch's validation lock for the rest of the transaction; ``False`` when
+    another transaction holds it (that one is validating the batch already).
+
+    A PostgreSQL advisory lock rather than the batch row, so that a validation's long ``COPY``
+    does not hold the row that a cancel must update. Elsewhere (SQLite, whose writers are
+    serialized by the database) always ``True``.
+    """
+    if session.get_bind().dialect.name != "postgresql":
+        return True
+    key = func.hashtext(batch_id)
+    return bool(session.scalar(select(func.pg_try_advisory_xact_lock(_VALIDATION_LOCK_SPACE, key))))
 
 
 def get_any(session: Session, batch_id: str) -> Batch | None:
