@@ -1,5 +1,7 @@
 """Test doubles for the scheduler tests: a real HTTP endpoint serving Prometheus text whose
-values a test changes, and engines that decode over several steps."""
+values a test changes, and engines that decode over several steps on a virtual clock (a runner
+given the same clock, ``Runner(..., clock=engine.clock)``, lives in that time: no test waits
+for a step or a poll interval, as ``offpeak simulate day`` does not)."""
 
 from __future__ import annotations
 
@@ -45,7 +47,10 @@ class MetricsEndpoint:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # A short poll: ``close`` waits up to one poll interval for the serving thread.
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self._thread.start()
 
     def set(self, running: float = 0.0, waiting: float = 0.0, kv: float = 0.0) -> None:
@@ -85,14 +90,6 @@ def metrics_endpoint() -> Iterator[MetricsEndpoint]:
         endpoint.close()
 
 
-class _SleepingClock(VirtualClock):
-    """Advances by really sleeping, so a simulated engine takes wall time."""
-
-    def advance(self, seconds: float) -> None:
-        super().advance(seconds)
-        time.sleep(max(0.0, seconds))
-
-
 def decoding_engine(
     model: str,
     max_num_seqs: int = 16,
@@ -101,9 +98,11 @@ def decoding_engine(
     per_seq_ms: float = 0.0,
 ) -> SimEngine:
     """An engine that runs like vLLM does: at most ``max_num_seqs`` sequences at once, each
-    finishing after ``max_tokens`` steps, a step costing ``base_ms + per_seq_ms × running`` of
-    real time (0: instant). It reports a KV cache of ``kv_cache_tokens`` for the sizing."""
-    clock = _SleepingClock(time.time()) if base_ms or per_seq_ms else VirtualClock(time.time())
+    finishing after ``max_tokens`` steps, a step costing ``base_ms + per_seq_ms × running`` on
+    its virtual clock (``engine.clock``, starting now), which moves only when it steps or a
+    runner on the same clock waits. It reports a KV cache of ``kv_cache_tokens`` for the
+    sizing."""
+    clock = VirtualClock(time.time())
     engine = SimEngine(
         clock,
         StepModel(base_ms, per_seq_ms),

@@ -157,20 +157,19 @@ def test_yields_when_load_rises_and_resumes_only_below_low_water(
     ids = [f"r{i}" for i in range(64)]
     batch_id = make_batch(settings, name, [chat(model, i, "Hi", 60) for i in ids])
     engine = decoding_engine(model, max_num_seqs=8, base_ms=4)
-    runner = Runner(settings, engine, "w-yield")
+    runner = Runner(settings, engine, "w-yield", clock=engine.clock)
     endpoint.set(kv=0.1)
-    outcome: list[object] = []
-    worker = threading.Thread(target=lambda: outcome.append(runner.drain()))
-    worker.start()
-    deadline = time.monotonic() + 30
-    while counts(settings, batch_id).get("succeeded", 0) < 8:
-        assert time.monotonic() < deadline, "the first lines never finished"
-        time.sleep(0.02)
-    endpoint.set(kv=0.9)  # real-time traffic arrives
-    worker.join(timeout=10)
-    assert not worker.is_alive(), "the runner did not yield"
-    [stats] = outcome
-    assert stats.outcome == "yielded" and stats.aborted > 0  # type: ignore[attr-defined]
+
+    def traffic_arrives(at: float, cost: float) -> None:
+        """Real-time traffic arrives once the first lines are written back."""
+        if endpoint.kv < 0.9 and counts(settings, batch_id).get("succeeded", 0) >= 8:
+            endpoint.set(kv=0.9)
+
+    engine.on_step = traffic_arrives
+    stats = runner.drain()
+    engine.on_step = None
+    assert endpoint.kv == 0.9, "the first lines never finished"
+    assert stats.outcome == "yielded" and stats.aborted > 0, "the runner did not yield"
     after_yield = counts(settings, batch_id)
     assert "running" not in after_yield, "aborted lines must go back to pending"
     with session_scope(settings.resolved_database_url) as session:
@@ -352,45 +351,74 @@ def test_work_that_fits_finishes_inside_a_60s_window_under_high_load(
     ids = [f"r{i}" for i in range(64)]
     batch_id = make_batch(settings, name, [chat(model, i, "Hi", 40) for i in ids], "60s")
     engine = decoding_engine(model, max_num_seqs=32, base_ms=10, per_seq_ms=0.4)
-    runner = Runner(settings, engine, "w-window", step_model=StepModel(10, 0.4))
+    clock = engine.clock  # the runner's time: claims, deadlines and finish times use it
+    runner = Runner(settings, engine, "w-window", clock=clock, step_model=StepModel(10, 0.4))
     created = sdk.batches.retrieve(batch_id).created_at
-    first_done: float | None = None
-    while time.time() < created + 75:
+    while clock.time() < created + 75:
         stats = runner.drain()  # as the sweep's drain messages would, every half second
-        done = counts(settings, batch_id).get("succeeded", 0)
-        if done and first_done is None:
-            first_done = time.time()
-        if done == 64:
+        if counts(settings, batch_id).get("succeeded", 0) == 64:
             break
         assert stats.outcome == "yielded"
-        time.sleep(0.5)
+        clock.sleep(0.5)
+    with session_scope(settings.resolved_database_url) as session:
+        first_done, last_done = session.execute(
+            select(func.min(RequestLine.finished_at), func.max(RequestLine.finished_at)).where(
+                RequestLine.batch_id == batch_id
+            )
+        ).one()
     batch = end(settings, sdk, batch_id, ids)
-    assert batch.status == "completed"
-    assert batch.completed_at is not None and batch.completed_at <= batch.expires_at
+    assert batch.status == "completed" and batch.request_counts.completed == 64
+    assert last_done <= batch.expires_at  # inside the window, on the runner's clock
     # It held back while slack was above the margin: nothing ran in the first 20 s.
-    assert first_done is not None and first_done >= created + 20
+    assert first_done >= created + 20
 
 
 def test_leases_outlive_slow_steps_and_lines_taken_over_are_dropped(
     settings: Settings, model: str, tenant: tuple[str, OpenAI]
 ) -> None:
-    """Each engine step takes longer than a lease: the heartbeat keeps the leases, so another
-    worker's claim finds nothing. When the lines are taken over anyway, the runner drops them
-    instead of running them for nothing."""
+    """An engine step outlasts the lease (it blocks until the test lets it go): the heartbeat
+    keeps the leases, so another worker's claim past the first lease finds nothing. When the
+    lines are taken over anyway, the runner drops them instead of running them for nothing.
+    The heartbeat is a thread on the wall clock: this test runs in real time, but waits for
+    events, not for durations."""
     name, _ = tenant
     settings = settings.model_copy(update={"lease_seconds": 1})
     batch_id = make_batch(settings, name, [chat(model, f"r{i}", "Hi", 2) for i in range(4)])
-    engine = decoding_engine(model, max_num_seqs=4, base_ms=2500)
+    engine = decoding_engine(model, max_num_seqs=4)
+    inside, let_go = threading.Event(), threading.Event()
+    first_step = engine.step
+
+    def slow_step():  # type: ignore[no-untyped-def]
+        engine.step = first_step  # only the first step hangs
+        inside.set()
+        assert let_go.wait(60)
+        return first_step()
+
+    engine.step = slow_step  # type: ignore[method-assign]
     runner = Runner(settings, engine, "w-slow")
     outcome: list[object] = []
     worker = threading.Thread(target=lambda: outcome.append(runner.drain()))
     worker.start()
-    time.sleep(1.8)  # inside the first step, well past the lease its claim took
+    assert inside.wait(30), "the runner never stepped"
+
+    def leases() -> list[float]:
+        with session_scope(settings.resolved_database_url) as session:
+            return list(
+                session.scalars(
+                    select(RequestLine.lease_expires_at).where(RequestLine.batch_id == batch_id)
+                )
+            )
+
+    claimed = max(leases())  # the leases the claim took, before any renewal
+    deadline = time.monotonic() + 30
+    while min(leases()) <= claimed:  # inside the first step: only the heartbeat can renew
+        assert time.monotonic() < deadline, "the heartbeat never renewed the leases"
+        time.sleep(0.05)
     with session_scope(settings.resolved_database_url) as session:
         stolen = requests_repo.claim(
-            session, model=model, limit=10, owner="w-other", lease_until=time.time() + 60,
-            at=time.time(),
-        )  # fmt: skip
+            session, model=model, limit=10, owner="w-other", lease_until=claimed + 60,
+            at=claimed + 0.05,
+        )  # fmt: skip  # past the first lease: taken, had the heartbeat not renewed it
     assert stolen == [], "the heartbeat let the leases lapse"
     with session_scope(settings.resolved_database_url) as session:
         session.execute(
@@ -398,6 +426,7 @@ def test_leases_outlive_slow_steps_and_lines_taken_over_are_dropped(
             .where(RequestLine.batch_id == batch_id)
             .values(lease_owner="w-thief", lease_expires_at=time.time() + 60)
         )
+    let_go.set()
     worker.join(timeout=30)
     assert not worker.is_alive()
     [stats] = outcome

@@ -1,11 +1,14 @@
 """The guard that keeps the suite from changing tracked files (``tests/tree_check.py``), on a git
-checkout of its own: a tracked file written during the run fails it; work in progress from
-before the run, untracked files and a checkout that is not git do not."""
+checkout of its own: a tracked file written during the run by the test process or by a Python
+process it started fails it, naming the test; a change no test process made (someone editing
+the checkout meanwhile) warns, and fails in CI; work in progress from before the run, untracked
+files and a folder outside git pass."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,9 @@ def git(root: Path, *args: str) -> None:
 
 
 @pytest.fixture()
-def checkout(tmp_path: Path) -> Path:
+def checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.delenv("OFFPEAK_TREE_CHECK", raising=False)
+    monkeypatch.delenv("CI", raising=False)
     root = tmp_path / "repo"
     (root / "docs").mkdir(parents=True)
     (root / "docs" / "picture.png").write_bytes(b"\x89PNG old")
@@ -32,45 +37,58 @@ def checkout(tmp_path: Path) -> Path:
     return root
 
 
-def test_a_tracked_file_written_during_the_run_fails_it(
-    checkout: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("OFFPEAK_TREE_CHECK", raising=False)
+def test_a_tracked_file_the_test_writes_fails_the_run(checkout: Path) -> None:
     with (
-        pytest.raises(AssertionError, match=r"changed tracked files: docs/picture\.png"),
+        pytest.raises(AssertionError, match=r"docs/picture\.png, written by tests/test_tree_"),
         tracked_files_unchanged(checkout / "docs"),
     ):
         (checkout / "docs" / "picture.png").write_bytes(b"\x89PNG new")
 
 
-def test_a_tracked_file_deleted_during_the_run_fails_it(
-    checkout: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("OFFPEAK_TREE_CHECK", raising=False)
-    with pytest.raises(AssertionError, match="README.md"), tracked_files_unchanged(checkout):
-        (checkout / "README.md").unlink()
+def test_a_python_child_process_that_writes_or_deletes_is_caught(checkout: Path) -> None:
+    script = "import os; open('docs/picture.png', 'ab').write(b'x'); os.remove('README.md')"
+    with (
+        pytest.raises(AssertionError, match=r"README\.md, written by .*picture\.png, written by"),
+        tracked_files_unchanged(checkout),
+    ):
+        subprocess.run([sys.executable, "-c", script], cwd=checkout, check=True)
 
 
-def test_earlier_edits_and_untracked_files_pass(
+def test_a_change_no_test_process_made_warns_and_fails_in_ci(
     checkout: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("OFFPEAK_TREE_CHECK", raising=False)
+    def someone_edits() -> None:  # a person's editor, not a Python child of the suite
+        subprocess.run(["sh", "-c", "echo edited > docs/picture.png"], cwd=checkout, check=True)
+
+    with (
+        pytest.warns(UserWarning, match=r"docs/picture\.png \(no test process wrote them"),
+        tracked_files_unchanged(checkout),
+    ):
+        someone_edits()
+    monkeypatch.setenv("CI", "1")
+    with (
+        pytest.raises(AssertionError, match="no test process wrote them"),
+        tracked_files_unchanged(checkout),
+    ):
+        subprocess.run(["sh", "-c", "echo again > docs/picture.png"], cwd=checkout, check=True)
+
+
+def test_earlier_edits_untracked_files_and_equal_rewrites_pass(checkout: Path) -> None:
     with tracked_files_unchanged(checkout):
         (checkout / "scratch.log").write_text("untracked\n")
-        # Rewritten with the same bytes: nothing changed.
-        (checkout / "docs" / "picture.png").write_bytes(b"\x89PNG old")
+        (checkout / "docs" / "picture.png").write_bytes(b"\x89PNG old")  # the same bytes
     assert (checkout / "README.md").read_text() == "edited before the run\n"
 
 
-def test_warn_mode_and_a_folder_outside_git(
+def test_warn_and_off_modes_and_a_folder_outside_git(
     checkout: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OFFPEAK_TREE_CHECK", "warn")
-    with (
-        pytest.warns(UserWarning, match="picture.png"),
-        tracked_files_unchanged(checkout),
-    ):
+    with pytest.warns(UserWarning, match="written by"), tracked_files_unchanged(checkout):
         (checkout / "docs" / "picture.png").write_bytes(b"changed")
+    monkeypatch.setenv("OFFPEAK_TREE_CHECK", "off")
+    with tracked_files_unchanged(checkout):
+        (checkout / "docs" / "picture.png").write_bytes(b"changed again")
     monkeypatch.delenv("OFFPEAK_TREE_CHECK")
     plain = tmp_path / "not-a-checkout"
     plain.mkdir()

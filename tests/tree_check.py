@@ -1,28 +1,39 @@
 """The test suite must leave the checkout as it found it: no tracked file changed by a run.
 
-``tests/conftest.py`` takes a snapshot of every tracked file's content when the session starts
-and compares it when the session ends. Only changes made *during* the run count: files already
-edited before it (work in progress in the checkout) are compared with their own content at the
-start, not with the last commit. Files tracked only after the start (someone's ``git add``) are
-left out; the suite never adds files to git.
+``tests/conftest.py`` wraps the session in ``tracked_files_unchanged``:
 
-A person or program editing the checkout while the suite runs is indistinguishable from a test
-writing there; ``OFFPEAK_TREE_CHECK=warn`` turns the failure into a warning for such runs
-(``off`` skips the check). Outside a git checkout (an unpacked sdist) there is nothing to check.
+- **What changed**: a digest of every tracked file's content when the session starts, compared
+  when it ends. Only changes made *during* the run count: files already edited before it (work
+  in progress in the checkout) are compared with their own content at the start, not with the
+  last commit. Files tracked only after the start (someone's ``git add``) are left out.
+- **Who changed it**: the pytest process and every Python process it starts record the files
+  they write under the checkout (``tests/write_audit/sitecustomize.py``, an audit hook). A
+  changed file one of them wrote fails the run, naming the test. A changed file none of them
+  wrote was most likely edited by someone working in the same checkout meanwhile (or by a
+  non-Python child such as Chromium): a warning, and a failure in CI (``CI`` set), where
+  nobody else edits.
+
+``OFFPEAK_TREE_CHECK``: ``fail`` (the default, as above), ``strict`` (every change fails),
+``warn`` (every change warns), ``off``. Outside a git checkout there is nothing to check.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import subprocess
+import sys
+import tempfile
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 #: File path (relative to the checkout) → content digest, None for a file that does not exist.
 Snapshot = dict[str, str | None]
+AUDIT_SITE = Path(__file__).resolve().parent / "write_audit"
 
 
 def checkout_root(start: Path) -> Path | None:
@@ -36,7 +47,7 @@ def checkout_root(start: Path) -> Path | None:
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return Path(done.stdout.strip()) if done.returncode == 0 else None
+    return Path(done.stdout.strip()).resolve() if done.returncode == 0 else None
 
 
 def tracked_files(root: Path) -> list[str]:
@@ -72,27 +83,97 @@ def changed(before: Snapshot, after: Snapshot) -> list[str]:
     return sorted(p for p, d in before.items() if after.get(p) != d)
 
 
+def read_audit(log: Path) -> dict[str, str]:
+    """Written path (relative to the root; a folder for a tree removed) → the test that wrote
+    it, from the audit hook's log."""
+    if not log.exists():
+        return {}
+    writes: dict[str, str] = {}
+    for entry in log.read_text(errors="replace").splitlines():
+        _pid, event, path, test = (entry.split("\t") + ["", "", "", ""])[:4]
+        writes.setdefault(path, f"{test or 'outside any test'} ({event})")
+    return writes
+
+
+def writer_of(path: str, writes: dict[str, str]) -> str | None:
+    """The test that wrote ``path`` or removed a folder holding it, if a test process did."""
+    for written, test in writes.items():
+        if path == written or path.startswith(written.rstrip("/") + "/"):
+            return test
+    return None
+
+
+def _audit_module() -> ModuleType:
+    """``tests/write_audit/sitecustomize.py``, loaded once into this process by its path."""
+    name = "offpeak_write_audit"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, AUDIT_SITE / "sitecustomize.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+@contextmanager
+def _audited(root: Path) -> Iterator[Path]:
+    """Record writes under ``root`` by this process and by the Python processes it starts."""
+    fd, name = tempfile.mkstemp(prefix="offpeak-writes-", suffix=".log")
+    os.close(fd)
+    log = Path(name)
+    audit = _audit_module()
+    audit.install(str(root), str(log))
+    saved = {
+        k: os.environ.get(k)
+        for k in ("PYTHONPATH", "OFFPEAK_WRITE_AUDIT_ROOT", "OFFPEAK_WRITE_AUDIT_LOG")
+    }
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(AUDIT_SITE), saved["PYTHONPATH"]) if p
+    )
+    os.environ["OFFPEAK_WRITE_AUDIT_ROOT"] = str(root)
+    os.environ["OFFPEAK_WRITE_AUDIT_LOG"] = str(log)
+    try:
+        yield log
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        audit.uninstall(str(root), str(log))
+        log.unlink(missing_ok=True)
+
+
 @contextmanager
 def tracked_files_unchanged(start: Path) -> Iterator[None]:
-    """Fail (``AssertionError``), warn or do nothing, as ``OFFPEAK_TREE_CHECK`` says (``fail``,
-    ``warn``, ``off``; default ``fail``), when the block changed a tracked file of the checkout
-    around ``start``."""
+    """Check the block left the tracked files of the checkout around ``start`` as they were:
+    raise ``AssertionError`` or warn (``UserWarning``) as the module docstring says."""
     mode = os.environ.get("OFFPEAK_TREE_CHECK", "fail")
     root = checkout_root(start) if mode != "off" else None
     if root is None:
         yield
         return
     before = snapshot(root)
-    yield
-    touched = changed(before, snapshot(root, list(before)))
+    with _audited(root) as log:
+        yield
+        touched = changed(before, snapshot(root, list(before)))
+        writes = read_audit(log)
     if not touched:
         return
-    message = (
-        f"the test run changed tracked files: {', '.join(touched)} (tests must write under a "
-        "temporary folder; if someone else edited these files during the run, rerun with "
-        "OFFPEAK_TREE_CHECK=warn)"
-    )
+    ours = {p: t for p in touched if (t := writer_of(p, writes)) is not None}
+    others = [p for p in touched if p not in ours]
+    failures = [f"{p}, written by {t}" for p, t in ours.items()]
+    notes = []
+    if others:
+        strict = mode == "strict" or (mode == "fail" and os.environ.get("CI"))
+        (failures if strict else notes).append(
+            f"{', '.join(others)} (no test process wrote them: edited by someone else during "
+            "the run, or by a non-Python child process)"
+        )
     if mode == "warn":
-        warnings.warn(message, stacklevel=1)
-    else:
-        raise AssertionError(message)
+        notes, failures = notes + failures, []
+    message = "the test run changed tracked files (tests write under temporary folders): "
+    if notes:
+        warnings.warn(message + "; ".join(notes), stacklevel=1)
+    if failures:
+        raise AssertionError(message + "; ".join(failures))
