@@ -360,3 +360,40 @@ def test_workers_heartbeat_and_submit_wait_warns_once(
     # SIGTERM: a clean stop retires the control worker's record.
     stack.kill("control", signal.SIGTERM)
     assert [r.ready for r in records(db_url, "control")] == [False]
+
+
+def test_heartbeat_thread_beats_then_retires(lv_settings: Settings, db_url: str) -> None:
+    from workers.liveness import WorkerHeartbeat, role_of
+
+    with session_scope(db_url) as session:
+        session.execute(delete(WorkerRecord))
+    fast = lv_settings.model_copy(update={"worker_alive_seconds": 0.4})  # a beat every 0.1 s
+    role, models = role_of(fast, ["x", f"{fast.queue_prefix}.model.{MODEL}"])
+    assert (role, models) == ("engine", [MODEL])
+    heartbeat = WorkerHeartbeat(fast, "beating-worker", role, models)
+    heartbeat.start()
+    try:
+        (first,) = records(db_url, "engine")
+        wait_until(
+            lambda: records(db_url, "engine")[0].heartbeat_at > first.heartbeat_at,
+            "a second heartbeat",
+        )
+    finally:
+        heartbeat.stop()
+    (stopped,) = records(db_url, "engine")
+    assert not stopped.ready
+    heartbeat.beat()  # a late beat does not revive a retired worker
+    assert not records(db_url, "engine")[0].ready
+
+
+def test_client_health_read_never_fails(sdk: Any) -> None:
+    from openai import OpenAI
+
+    from offpeak import client_tools
+
+    nobody = OpenAI(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key="k", max_retries=5)
+    assert client_tools.health(nobody) is None
+    answer = client_tools.health(sdk)  # the in-process API: /healthz next to /v1
+    assert answer is not None and answer["database"] == "ok"
+    down = {"database": "unavailable", "models": [], "workers": []}
+    assert client_tools.liveness_warnings(down, MODEL) == {}

@@ -28,6 +28,8 @@ from storage.repositories import workers as workers_repo
 
 log = logging.getLogger(__name__)
 
+#: Most seconds a worker's stop waits for its heartbeat thread and its record's retirement.
+STOP_SECONDS = 4.0
 #: Records of workers silent for this long are deleted when a worker registers (each start adds
 #: one): a week of history is enough to say "no engine worker serving X for 3 days".
 PRUNE_AFTER_SECONDS = 7 * 24 * 3600.0
@@ -60,6 +62,8 @@ class WorkerHeartbeat:
         self.interval = settings.worker_alive_seconds / 4
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: Held by a beat and by the retirement, so a late beat never revives a retired record.
+        self._lock = threading.Lock()
 
     def register(self) -> None:
         """Write the worker's record (ready, heartbeat now) and prune long-silent ones."""
@@ -70,11 +74,15 @@ class WorkerHeartbeat:
             workers_repo.prune(session, time.time() - PRUNE_AFTER_SECONDS)
 
     def beat(self) -> None:
-        """One heartbeat; registers again if the record was retired or pruned meanwhile."""
-        with session_scope(self.settings.resolved_database_url) as session:
-            if workers_repo.heartbeat(session, self.worker_id, time.time()):
+        """One heartbeat; registers again if the record was pruned or retired meanwhile by
+        someone else (never after ``stop``)."""
+        with self._lock:
+            if self._stop.is_set():
                 return
-        self.register()
+            with session_scope(self.settings.resolved_database_url) as session:
+                if workers_repo.heartbeat(session, self.worker_id, time.time()):
+                    return
+            self.register()
 
     def start(self) -> None:
         """Register (retrying in the thread if the database is down now) and start beating."""
@@ -93,12 +101,18 @@ class WorkerHeartbeat:
                 log.warning("worker heartbeat failed: %s", exc)
 
     def stop(self) -> None:
-        """Stop beating and retire the record, so readers see the worker gone at once."""
+        """Stop beating and retire the record, so readers see the worker gone at once. Bounded
+        (``STOP_SECONDS`` at most): a worker's stop must not wait on a hung database."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=self.interval + 5)
+            self._thread.join(timeout=STOP_SECONDS / 2)
+        retiring = threading.Thread(target=self._retire, name="worker-retire", daemon=True)
+        retiring.start()
+        retiring.join(timeout=STOP_SECONDS / 2)
+
+    def _retire(self) -> None:
         try:
-            with session_scope(self.settings.resolved_database_url) as session:
+            with self._lock, session_scope(self.settings.resolved_database_url) as session:
                 workers_repo.retire(session, self.worker_id)
         except Exception as exc:  # stopping anyway; the heartbeat's age tells the rest
             log.warning("worker %s could not retire: %s", self.worker_id, exc)
