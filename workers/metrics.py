@@ -49,6 +49,16 @@ TOKENS = Counter(
     "offpeak_worker_tokens", "Tokens of requests that finished here.", ["model", "kind"]
 )
 REQUESTS = Counter("offpeak_worker_requests", "Requests that finished here.", ["model"])
+ENGINE_FAILURES = Counter(
+    "offpeak_worker_engine_failures",
+    "Times this worker's engine died or failed; its lines went back to pending.",
+    ["model"],
+)
+POISON_LINES = Counter(
+    "offpeak_worker_poison_lines",
+    "Lines failed alone after running in max_line_attempts engine failures.",
+    ["model"],
+)
 QUEUE_WAIT = Histogram(
     "offpeak_worker_request_queue_wait_seconds",
     "Seconds from a batch becoming runnable to a worker claiming one of its lines.",

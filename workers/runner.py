@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 import socket
 import time
 from collections import deque
@@ -37,23 +38,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from sqlalchemy.exc import DBAPIError, OperationalError
 
 from offpeak import wire
 from offpeak.ids import now as unix_now
 from offpeak.settings import Settings
+from storage.errors import TRANSIENT_DB_ERRORS
 from storage.repositories.chunks import BatchTokens
 from storage.repositories.requests import ClaimedRequest
+from workers import lifecycle, serving
 from workers import metrics as worker_metrics
-from workers import serving
-from workers.engine.base import Engine, EngineResult
+from workers.engine.base import Engine, EngineFault, EngineResult
 from workers.planner import StepModel
 from workers.scheduler import metrics
 from workers.scheduler.clock import Clock, WallClock
 from workers.scheduler.dispatch import claim_size, engine_room, prefix_order, size_for
 from workers.scheduler.heartbeat import LeaseHeartbeat
 from workers.scheduler.hysteresis import Gate
-from workers.scheduler.signals import LoadMonitor, build_signals
+from workers.scheduler.signals import BackgroundMonitor, LoadMonitor, build_signals
 from workers.scheduler.slack import Estimate, calibrated, refresh_estimates
 from workers.scheduler.store import DbStore, Flush, WorkStore
 from workers.serving import LineError, Prepared
@@ -65,12 +66,23 @@ log = logging.getLogger(__name__)
 RATE_SECONDS = 300.0
 RATE_TRUSTED_AFTER = 30.0
 #: Errors that mean "the database is unreachable right now", not "this write is wrong".
-_DB_DOWN = (OperationalError, DBAPIError)
+_DB_DOWN = TRANSIENT_DB_ERRORS
+#: A line claimed this many times is a suspect: it was inside an engine (or a worker) that died
+#: at least once. Suspects run one at a time beside clean lines, so a line that kills the engine
+#: again is the only line charged with it (``Settings.max_line_attempts``).
+SUSPECT_ATTEMPTS = 2
+
+_worker_ids: dict[int, str] = {}
 
 
 def worker_id() -> str:
-    """``host:pid``: unique among live workers, readable in the leases it writes."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """``host:pid:random``, fixed for this process: readable in the leases it writes, and unique
+    per start (a container restarted with the same hostname and PID 1 must not adopt its dead
+    predecessor's leases). A forked child gets an id of its own."""
+    pid = os.getpid()
+    if pid not in _worker_ids:
+        _worker_ids[pid] = f"{socket.gethostname()}:{pid}:{secrets.token_hex(3)}"
+    return _worker_ids[pid]
 
 
 @dataclass
@@ -91,7 +103,8 @@ class DrainStats:
     aborted: int = 0
     released: int = 0
     #: ``drained`` (nothing runnable left), ``yielded`` (load or a pause stopped it with work
-    #: left) or ``stopped`` (the caller's ``until``).
+    #: left) or ``stopped`` (the caller's ``until``, or the worker shutting down: its lines went
+    #: back to pending).
     outcome: str = ""
     touched: set[str] = field(default_factory=set)
 
@@ -141,9 +154,17 @@ class Runner:
         self.device = device
         self.store: WorkStore = store or DbStore(settings.resolved_database_url)
         self.clock: Clock = clock or WallClock()
-        self.monitor = monitor or LoadMonitor(
+        self.monitor: LoadMonitor | BackgroundMonitor = monitor or LoadMonitor(
             build_signals(self.policy), pause=lambda: self.store.pause_state(self.policy.pool)
         )
+        if monitor is None and isinstance(self.clock, WallClock):
+            # Read off the loop: a slow metrics endpoint must not stall the engine's steps.
+            self.monitor = BackgroundMonitor(
+                self.monitor,
+                self.policy.load_poll_seconds,
+                stale_after=3 * self.policy.load_poll_seconds
+                + self.policy.prometheus.timeout_seconds,
+            )
         self.gate = Gate(self.policy.low_water, self.policy.high_water, self.policy.on_signal_error)
         self.room = engine_room(engine, settings.models.get(self.model))
         self.slots = self.room.max_num_seqs
@@ -178,6 +199,14 @@ class Runner:
             else None
         )
 
+    def replace_engine(self, engine: Engine) -> None:
+        """Drive ``engine`` from now on (a new one after the old failed). Only between runs: the
+        old engine's lines were handed back when it failed."""
+        assert not self._in_flight and not self._staged, "replace_engine while holding lines"
+        self.engine = engine
+        self.room = engine_room(engine, self.settings.models.get(self.model))
+        self.slots = self.room.max_num_seqs
+
     # --- The loop -----------------------------------------------------------------------------
 
     def drain(self) -> DrainStats:
@@ -193,6 +222,8 @@ class Runner:
         started = self.clock.monotonic()
         # A new drain acts on a fresh reading, not on the one that ended the last.
         self._next_load_at = self._next_estimate_at = self._next_claim_at = -math.inf
+        if isinstance(self.monitor, BackgroundMonitor):
+            self.monitor.refresh()
         with self.heartbeat.running() if self.heartbeat else nullcontext():
             try:
                 self._loop(until)
@@ -224,6 +255,10 @@ class Runner:
         while True:
             if self.heartbeat:
                 self.heartbeat.tick()
+            if lifecycle.stop_requested():
+                self._hand_back_all()
+                self._stats.outcome = "stopped"
+                return
             at = self.clock.time()
             self._observe(at)
             self._top_up(at)
@@ -239,6 +274,11 @@ class Runner:
                 continue
             self._flush()
             if until is None:
+                if self._results:
+                    # The write-back failed (database down): the results are the only copy;
+                    # keep trying rather than return with them in memory.
+                    self.clock.sleep(self.settings.flush_seconds)
+                    continue
                 break
             if until():
                 self._stats.outcome = "stopped"
@@ -251,7 +291,10 @@ class Runner:
     def _step(self) -> None:
         running = min(len(self._in_flight), self.slots)
         started = self.clock.monotonic()
-        finished = self.engine.step()
+        try:
+            finished = self.engine.step()
+        except Exception as exc:
+            raise EngineFault(f"engine step failed: {exc!r}", list(self._in_flight)) from exc
         elapsed = self.clock.monotonic() - started
         self._busy_seconds += elapsed
         self._stats.busy_seconds += elapsed
@@ -362,7 +405,7 @@ class Runner:
         running: list[_Held] = []
         if self.policy.abort_on_yield or self.gate.hard_paused:
             running = [h for h in self._in_flight.values() if not keep(h.row.batch_id)]
-            self.engine.abort([h.prepared.request.request_id for h in running])
+            self._abort([h.prepared.request.request_id for h in running])
             for h in running:
                 del self._in_flight[h.prepared.request.request_id]
         self._stats.yields += 1
@@ -428,6 +471,22 @@ class Runner:
             if row.id in held:
                 # Our own lease had lapsed and the claim took the line back: it is running here.
                 continue
+            if row.attempts > self.settings.max_line_attempts:
+                # It was inside a dying engine or worker every time it ran (and alone among
+                # suspects since the first): this line is the cause; it fails alone.
+                self._results.append(
+                    _failed(row, _crashed_engine(row.attempts - 1), self.clock.time())
+                )
+                if self.export_metrics:
+                    worker_metrics.POISON_LINES.labels(self.model).inc()
+                log.error(
+                    "line %s of %s (custom_id %r) was running in %d engine failures: failed",
+                    row.id,
+                    row.batch_id,
+                    row.custom_id,
+                    row.attempts - 1,
+                )
+                continue
             try:
                 line = orjson.loads(row.line_json)
                 prepared = serving.prepare(str(row.id), line["url"], line["body"], self.engine)
@@ -474,27 +533,57 @@ class Runner:
 
     def _admit(self) -> None:
         """Feed queued lines to the engine: a little more than its slots, so the sequences that
-        finish in one step are replaced in the next."""
+        finish in one step are replaced in the next. A suspect line (see ``SUSPECT_ATTEMPTS``)
+        joins only while no other suspect runs; it waits at the front of the queue meanwhile.
+
+        Raises ``EngineFault`` when ``add`` fails with anything but ``ValueError`` (the engine's
+        verdict on the request itself): the line that was being added is a suspect too.
+        """
         feed = self.slots + max(8, self.slots // 4)
+        suspect_running = any(_suspect(h) for h in self._in_flight.values())
+        waiting: list[_Held] = []
         while self._staged and len(self._in_flight) < feed:
             if not self._admissible(self._staged[0].row.batch_id):
                 break
             held = self._staged.popleft()
+            if _suspect(held):
+                if suspect_running:
+                    waiting.append(held)
+                    continue
+                suspect_running = True
+            request_id = held.prepared.request.request_id
             try:
                 self.engine.add(held.prepared.request)
             except ValueError as exc:  # the engine refused the request itself
                 self._results.append(_failed(held.row, LineError(str(exc)), self.clock.time()))
                 continue
-            except Exception:  # an engine bug must not take the other lines down with it
-                log.exception("the engine refused line %s of %s", held.row.id, held.row.batch_id)
-                self._results.append(_failed(held.row, _internal_error(), self.clock.time()))
-                continue
-            self._in_flight[held.prepared.request.request_id] = held
+            except Exception as exc:
+                # Not a verdict on the line: the engine is broken (dead engine core, a bug).
+                # The line counts as inside it, so a line that breaks ``add`` every time is
+                # caught by the attempts cap instead of looping forever.
+                self._in_flight[request_id] = held
+                self._staged.extendleft(reversed(waiting))
+                raise EngineFault(
+                    f"engine refused a request: {exc!r}", list(self._in_flight)
+                ) from exc
+            self._in_flight[request_id] = held
+        self._staged.extendleft(reversed(waiting))
 
     # --- Write-back ---------------------------------------------------------------------------
 
+    def _held_row_ids(self, results: bool = True) -> list[int]:
+        """Ids of the lines held: queued, running, or finished with the result not yet written.
+        Safe from the heartbeat thread: copying a dict's values, a deque or a list holds the
+        GIL throughout."""
+        held = (*tuple(self._staged), *tuple(self._in_flight.values()))
+        # Finished lines whose results are not written yet are still this worker's.
+        ids = [h.row.id for h in held]
+        return ids + [r["id"] for r in tuple(self._results)] if results else ids
+
     def _renew(self) -> None:
-        self.store.renew(self.owner, time.time() + self.settings.lease_seconds)
+        self.store.renew(
+            self.owner, time.time() + self.settings.lease_seconds, self._held_row_ids()
+        )
 
     def _held_batches(self) -> set[str]:
         if not self._staged and not self._in_flight:
@@ -526,7 +615,8 @@ class Runner:
             started_at=self._period_started,
             busy_seconds=self._busy_seconds,
             batch_ids=self._held_batches(),
-            held_ids=[h.row.id for h in (*self._staged, *self._in_flight.values())],
+            # The results in this flush are written before the leases are renewed.
+            held_ids=self._held_row_ids(results=False),
         )
         if not flush.results and not flush.batch_ids:
             return
@@ -566,7 +656,7 @@ class Runner:
         """Stop running lines another worker took over (our lease had lapsed): they run there,
         and our results for them would not be written anyway."""
         doomed = [h for h in self._in_flight.values() if h.row.id in lost]
-        self.engine.abort([h.prepared.request.request_id for h in doomed])
+        self._abort([h.prepared.request.request_id for h in doomed])
         for h in doomed:
             del self._in_flight[h.prepared.request.request_id]
         self._staged = deque(h for h in self._staged if h.row.id not in lost)
@@ -579,7 +669,7 @@ class Runner:
         self._held_ids -= set(stopped)
         if not doomed:
             return
-        self.engine.abort([h.prepared.request.request_id for h in doomed])
+        self._abort([h.prepared.request.request_id for h in doomed])
         for h in doomed:
             self._in_flight.pop(h.prepared.request.request_id, None)
         self._staged = deque(h for h in self._staged if h.row.batch_id not in stopped)
@@ -609,19 +699,67 @@ class Runner:
         except _DB_DOWN as exc:  # their leases run out instead
             log.warning("cannot hand back %d lines (their leases will run out): %s", len(rows), exc)
 
+    def _release_ids(self, ids: list[int], batch_ids: set[str]) -> None:
+        if not ids:
+            return
+        try:
+            self.store.release(self.owner, ids, batch_ids, count_attempt=True)
+        except _DB_DOWN as exc:
+            log.warning("cannot hand back %d lines (their leases will run out): %s", len(ids), exc)
+
     def _give_back(self) -> None:
-        """The engine failed or the worker is shutting down: write what finished and hand the
-        rest back so it runs again (here or elsewhere) without waiting for the lease."""
+        """The loop raised (the engine failed, a bug, the database refused a write): write what
+        finished and hand the rest back so it runs again (here or elsewhere) without waiting
+        for the lease. Lines that were inside the engine keep the attempt their claim counted:
+        one of them may be the cause (``SUSPECT_ATTEMPTS``); queued lines do not."""
         running = list(self._in_flight.values())
         queued = list(self._staged)
-        self.engine.abort([h.prepared.request.request_id for h in running])
+        self._abort_quietly([h.prepared.request.request_id for h in running])
         self._in_flight.clear()
         self._staged.clear()
+        unwritable: list[dict[str, Any]] = []
         try:
             self._flush()
+        except Exception:
+            # Not an outage (``_flush`` keeps results through those): the database refuses
+            # these results and would refuse them again. Their lines run again instead.
+            log.exception(
+                "the database refused %d results; their lines go back", len(self._results)
+            )
+            unwritable, self._results = self._results, []
         finally:
             self._release([h.row for h in running], count_attempt=True)
             self._release([h.row for h in queued], count_attempt=False)
+            self._release_ids([r["id"] for r in unwritable], {r["batch_id"] for r in unwritable})
+
+    def _hand_back_all(self) -> None:
+        """The worker is stopping: abort what runs, write what finished, and hand every held
+        line back to pending without counting an attempt (nothing went wrong with them)."""
+        held = [*self._in_flight.values(), *self._staged]
+        self._abort_quietly([h.prepared.request.request_id for h in self._in_flight.values()])
+        self._in_flight.clear()
+        self._staged.clear()
+        self._flush()
+        self._release([h.row for h in held], count_attempt=False)
+        if held:
+            log.info("stopping: %d lines handed back to pending", len(held))
+
+    def _abort(self, request_ids: list[str]) -> None:
+        """``engine.abort``; raises ``EngineFault`` if the engine cannot (it is broken)."""
+        if not request_ids:
+            return
+        try:
+            self.engine.abort(request_ids)
+        except Exception as exc:
+            raise EngineFault(f"engine abort failed: {exc!r}", list(self._in_flight)) from exc
+
+    def _abort_quietly(self, request_ids: list[str]) -> None:
+        if not request_ids:
+            return
+        try:
+            self.engine.abort(request_ids)
+        except Exception as exc:  # a dead engine cannot abort; it holds nothing any more
+            log.warning("engine abort failed (%r); handing the lines back anyway", exc)
 
 
 def _succeeded(
@@ -640,6 +778,19 @@ def _succeeded(
         "completion_tokens": usage["completion_tokens"],
         "finished_at": at,
     }
+
+
+def _suspect(held: _Held) -> bool:
+    return held.row.attempts >= SUSPECT_ATTEMPTS
+
+
+def _crashed_engine(failures: int) -> LineError:
+    return LineError(
+        f"The engine failed {failures} times while running this request, alone among retried "
+        "requests since the first failure; it was not run again.",
+        code="engine_failure",
+        status_code=500,
+    )
 
 
 def _internal_error() -> LineError:

@@ -33,7 +33,12 @@ MAX_STOP = 4
 
 
 class LineError(Exception):
-    """A request line the endpoint rejects: becomes a ``status_code`` 400 line in the error file."""
+    """A request line that fails alone: a ``status_code`` line in the error file.
+
+    A 4xx is the line's own fault (``invalid_request_error``, OpenAI's type for a request the
+    endpoint rejects); a 5xx is the server's (``server_error``, the type OpenAI's API gives its
+    own failures), so a client can tell which lines are worth sending again.
+    """
 
     def __init__(
         self,
@@ -46,7 +51,8 @@ class LineError(Exception):
         self.message, self.param, self.code, self.status_code = message, param, code, status_code
 
     def body(self) -> dict[str, Any]:
-        return wire.error_object(self.message, "invalid_request_error", self.param, self.code)
+        kind = "server_error" if self.status_code >= 500 else "invalid_request_error"
+        return wire.error_object(self.message, kind, self.param, self.code)
 
 
 @dataclass

@@ -254,13 +254,22 @@ def _write_results_unnest(session: Session, owner: str, results: Sequence[dict[s
     batches_repo.add_counts(session, deltas)
 
 
-def renew_leases(session: Session, owner: str, lease_until: float) -> int:
-    """Heartbeat: extend every running row this owner holds; returns how many it holds."""
+def renew_leases(session: Session, owner: str, lease_until: float, ids: Collection[int]) -> int:
+    """Heartbeat: extend the leases of the running rows ``ids`` that ``owner`` still holds;
+    returns how many. Only the lines the worker holds in memory: a row it failed to hand back
+    (the database was down) must lapse and run elsewhere, not be renewed forever."""
+    id_list = list(ids)
+    if not id_list:
+        return 0
     result = cast(
         CursorResult[Any],
         session.execute(
             update(RequestLine)
-            .where(RequestLine.lease_owner == owner, RequestLine.status == "running")
+            .where(
+                RequestLine.id.in_(id_list),
+                RequestLine.lease_owner == owner,
+                RequestLine.status == "running",
+            )
             .values(lease_expires_at=lease_until)
             .execution_options(synchronize_session=False)
         ),

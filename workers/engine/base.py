@@ -72,6 +72,20 @@ class EngineResult:
     completions: list[Completion]
 
 
+class EngineFault(RuntimeError):
+    """The engine failed, not the request line: it died, or raised something that is not a
+    verdict on a request (``add`` raises ``ValueError`` for those).
+
+    The runner hands the lines it holds back to pending and the worker rebuilds its engine; the
+    lines run again. ``suspects`` are the runner's request ids that were inside the engine when
+    it failed (one of them may have caused it).
+    """
+
+    def __init__(self, message: str, suspects: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.suspects = suspects or []
+
+
 class Engine(Protocol):
     """One loaded model. Not thread-safe: one runner drives it."""
 

@@ -46,6 +46,18 @@ def device_name() -> str:
     return current_device()
 
 
+def discard(name: str) -> None:
+    """Forget ``name``'s engine and close it, ignoring errors (it is usually dead already); the
+    next ``load`` builds a new one."""
+    engine = _engines.pop(name, None)
+    if engine is None:
+        return
+    try:
+        engine.close()
+    except Exception as exc:
+        log.warning("closing the failed engine for %s raised %r", name, exc)
+
+
 def loaded() -> dict[str, Engine]:
     return dict(_engines)
 

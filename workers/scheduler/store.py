@@ -84,8 +84,9 @@ class WorkStore(Protocol):
         """Lines back to pending (see ``requests_repo.release``); returns how many."""
         ...
 
-    def renew(self, owner: str, lease_until: float) -> int:
-        """Extend every lease ``owner`` holds (the heartbeat); returns how many."""
+    def renew(self, owner: str, lease_until: float, ids: Collection[int]) -> int:
+        """Extend the leases of the lines ``ids`` that ``owner`` still holds (the heartbeat);
+        returns how many."""
         ...
 
     def backlog(self, model: str) -> list[BatchBacklog]: ...
@@ -159,7 +160,9 @@ class DbStore:
                 )
             if flush.results:
                 batches_repo.refresh_counts(session, {r["batch_id"] for r in flush.results})
-            renewed = requests_repo.renew_leases(session, flush.owner, flush.lease_until)
+            renewed = requests_repo.renew_leases(
+                session, flush.owner, flush.lease_until, flush.held_ids
+            )
             lost = (
                 scheduler_repo.not_held(session, flush.owner, flush.held_ids)
                 if renewed < len(flush.held_ids)
@@ -186,9 +189,11 @@ class DbStore:
             batches_repo.refresh_counts(session, batch_ids)
         return released
 
-    def renew(self, owner: str, lease_until: float) -> int:
+    def renew(self, owner: str, lease_until: float, ids: Collection[int]) -> int:
+        if not ids:
+            return 0
         with session_scope(self.url) as session:
-            return requests_repo.renew_leases(session, owner, lease_until)
+            return requests_repo.renew_leases(session, owner, lease_until, ids)
 
     def backlog(self, model: str) -> list[BatchBacklog]:
         with session_scope(self.url) as session:

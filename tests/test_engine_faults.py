@@ -1,0 +1,480 @@
+"""A failing engine never fails a user's lines: the runner hands them back, the worker rebuilds
+its engine, and only a line that kills the engine again and again fails, alone (issue 9, part 2
+and the runner's items of part 6). On real PostgreSQL, with engines that fail on purpose."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import psycopg
+import pytest
+from openai import OpenAI
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from offpeak.settings import ModelConfig, SchedulerSettings, Settings
+from storage.blobs import get_blob_store
+from storage.db import session_scope
+from storage.errors import is_transient
+from storage.models import RequestLine
+from storage.repositories import requests as requests_repo
+from tests import test_runner
+from tests.helpers import check_ran_batch, line
+from tests.test_runner import make
+from workers.engine.base import EngineFault, EngineRequest, EngineResult
+from workers.engine.instant import InstantEngine
+from workers.finalize import finalize
+from workers.runner import Runner, worker_id
+from workers.scheduler.store import DbStore, Flush, Written
+
+#: A model of its own: lines this module leaves pending never reach test_runner.py's runners.
+MODEL = "faults-model"
+
+
+@pytest.fixture()
+def settings(settings: Settings) -> Settings:
+    return settings.model_copy(
+        update={"models": {MODEL: ModelConfig(engine="instant")}, "flush_seconds": 0.05}
+    )
+
+
+@pytest.fixture()
+def tenant_sdk(settings: Settings) -> tuple[str, OpenAI]:
+    return test_runner.tenant_sdk.__wrapped__(settings)  # type: ignore[attr-defined]
+
+
+class DyingEngine(InstantEngine):
+    """Finishes one request per step; its ``step`` raises (as vLLM's ``EngineDeadError`` does
+    once the engine-core process is gone) when ``dies(step_number, queued)`` says so, and from
+    then on every call fails, like a dead engine."""
+
+    def __init__(self, dies: Callable[[int, dict[str, EngineRequest]], bool]) -> None:
+        super().__init__(MODEL)
+        self.dies = dies
+        self.steps = 0
+        self.dead = False
+
+    def _check(self) -> None:
+        if self.dead:
+            raise RuntimeError("EngineCore encountered an issue (engine dead)")
+
+    def add(self, request: EngineRequest) -> None:
+        self._check()
+        super().add(request)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._check()
+        super().abort(request_ids)
+
+    def step(self) -> list[EngineResult]:
+        self._check()
+        self.steps += 1
+        if self.dies(self.steps, self._queued):
+            self.dead = True
+            self._check()
+        if not self._queued:
+            return []
+        first = next(iter(self._queued))
+        keep = {k: v for k, v in self._queued.items() if k != first}
+        self._queued = {first: self._queued[first]}
+        results = super().step()
+        self._queued = keep
+        return results
+
+
+def drain_with_recovery(
+    settings: Settings, make_engine: Callable[[], InstantEngine], rounds: int = 20
+) -> tuple[Runner, int]:
+    """What ``workers.tasks.drain_model`` does: drain; on ``EngineFault`` put a new engine in
+    the same runner and drain again. Returns the runner and the number of engine failures."""
+    runner = Runner(settings, make_engine(), "w-faults")
+    failures = 0
+    for _ in range(rounds):
+        try:
+            stats = runner.drain()
+        except EngineFault:
+            failures += 1
+            runner.replace_engine(make_engine())
+            continue
+        if stats.outcome == "drained":
+            return runner, failures
+    raise AssertionError("the runner never drained")
+
+
+def rows(settings: Settings, batch_id: str) -> list[RequestLine]:
+    with session_scope(settings.resolved_database_url) as session:
+        return list(session.scalars(select(RequestLine).where(RequestLine.batch_id == batch_id)))
+
+
+def test_a_dead_engine_hands_every_line_back_and_a_new_one_finishes_them(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI]
+) -> None:
+    tenant, sdk = tenant_sdk
+    ids = [f"r{i}" for i in range(40)]
+    batch_id = make(settings, tenant, [line(i, model=MODEL) for i in ids])
+    first = DyingEngine(lambda step, _queued: step == 10)  # dies with 30 lines inside it
+    runner = Runner(settings, first, "w-dead")
+    with pytest.raises(EngineFault) as raised:
+        runner.drain()
+    assert raised.value.suspects, "the lines inside the dead engine are named"
+    states = [r.status for r in rows(settings, batch_id)]
+    assert "failed" not in states, "a line was failed for the engine's fault"
+    assert "running" not in states, "held lines must go back to pending, not wait for a lease"
+    assert states.count("succeeded") == 9
+
+    # Every later call on the dead engine fails too: the runner must not fail lines with it.
+    runner.replace_engine(DyingEngine(lambda _step, _queued: False))
+    assert runner.drain().outcome == "drained"
+    finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    batch = sdk.batches.retrieve(batch_id)
+    output, errors = check_ran_batch(sdk, batch, ids)
+    assert batch.status == "completed" and len(output) == 40 and not errors
+
+
+def test_a_dead_engine_refusing_add_fails_no_line(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI]
+) -> None:
+    """Before: ``add`` raising anything but ValueError failed the line with 500 internal_error,
+    so a dead engine failed every line of every later batch."""
+    tenant, sdk = tenant_sdk
+    ids = [f"r{i}" for i in range(12)]
+    batch_id = make(settings, tenant, [line(i, model=MODEL) for i in ids])
+    dead = DyingEngine(lambda _step, _queued: False)
+    dead.dead = True
+    runner = Runner(settings, dead, "w-add")
+    with pytest.raises(EngineFault):
+        runner.drain()
+    assert {r.status for r in rows(settings, batch_id)} == {"pending"}
+    runner.replace_engine(InstantEngine(MODEL))
+    runner.drain()
+    finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    output, errors = check_ran_batch(sdk, sdk.batches.retrieve(batch_id), ids)
+    assert len(output) == 12 and not errors
+
+
+def test_a_poison_line_fails_alone_after_max_attempts(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI]
+) -> None:
+    tenant, sdk = tenant_sdk
+    settings = settings.model_copy(update={"max_line_attempts": 3})
+    ids = [f"r{i}" for i in range(30)]
+    lines = [line(i, model=MODEL) for i in ids]
+    lines[7] = line("r7", model=MODEL, body_messages=[{"role": "user", "content": "POISON"}])
+    batch_id = make(settings, tenant, lines)
+
+    def poisoned(_step: int, queued: dict[str, EngineRequest]) -> bool:
+        # The engine dies at the first step that runs the poison line.
+        return any(b"POISON" in bytes(r.prompt_token_ids) for r in queued.values())
+
+    _, failures = drain_with_recovery(settings, lambda: DyingEngine(poisoned))
+    assert failures == 3, "the poison line is retried max_line_attempts times, then failed"
+    finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    batch = sdk.batches.retrieve(batch_id)
+    output, errors = check_ran_batch(sdk, batch, ids)
+    assert batch.status == "completed" and len(output) == 29
+    [error] = errors
+    assert error["custom_id"] == "r7" and error["response"]["status_code"] == 500
+    body = error["response"]["body"]["error"]
+    assert body["code"] == "engine_failure" and body["type"] == "server_error"
+    assert "3 times" in body["message"]
+    innocent = [r.attempts for r in rows(settings, batch_id) if r.custom_id != "r7"]
+    assert max(innocent) <= 2, "an innocent line was inside more than one engine failure"
+
+
+def test_engine_errors_on_a_line_are_server_errors(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 5xx line is ``server_error``; a 4xx line stays ``invalid_request_error``."""
+    from workers import serving
+
+    tenant, sdk = tenant_sdk
+    batch_id = make(
+        settings,
+        tenant,
+        [
+            line("ok", model=MODEL),
+            line("bug", model=MODEL),
+            line("hot", model=MODEL, body_temperature=5),
+        ],
+    )
+    real = serving.prepare
+
+    def buggy(request_id: str, endpoint: str, body: dict, engine: object, *a, **k):  # type: ignore[no-untyped-def]
+        if body["messages"][0]["content"] == "Hi" and not buggy.done:  # type: ignore[attr-defined]
+            buggy.done = True  # type: ignore[attr-defined]
+            raise RuntimeError("a bug in preparation")
+        return real(request_id, endpoint, body, engine, *a, **k)  # type: ignore[arg-type]
+
+    buggy.done = False  # type: ignore[attr-defined]
+    monkeypatch.setattr(serving, "prepare", buggy)
+    Runner(settings, InstantEngine(MODEL), "w-types").drain()
+    finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    _, errors = check_ran_batch(sdk, sdk.batches.retrieve(batch_id), ["ok", "bug", "hot"])
+    types = {e["response"]["status_code"]: e["response"]["body"]["error"]["type"] for e in errors}
+    assert types == {500: "server_error", 400: "invalid_request_error"}
+
+
+def test_renewal_renews_only_the_lines_held(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI]
+) -> None:
+    """A row the worker failed to hand back (the database was down) is no longer held in
+    memory: its lease must lapse so another worker runs it, not be renewed forever."""
+    tenant, _ = tenant_sdk
+    batch_id = make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(4)])
+    url = settings.resolved_database_url
+    with session_scope(url) as session:
+        claimed = requests_repo.claim(
+            session,
+            model=MODEL,
+            limit=4,
+            owner="w-renew",
+            lease_until=time.time() + 5,
+            at=time.time(),
+        )
+    assert len(claimed) == 4
+    held, orphan = [r.id for r in claimed[:3]], claimed[3].id
+    store = DbStore(url)
+    assert store.renew("w-renew", time.time() + 600, held) == 3
+    written = store.flush(
+        Flush(
+            owner="w-renew",
+            model=MODEL,
+            device="cpu",
+            at=time.time(),
+            lease_until=time.time() + 600,
+            results=[],
+            per_batch={},
+            started_at=time.time(),
+            busy_seconds=0.0,
+            batch_ids={batch_id},
+            held_ids=held,
+        )
+    )
+    assert isinstance(written, Written) and written.lost == []
+    leases = {r.id: r.lease_expires_at for r in rows(settings, batch_id)}
+    assert all(leases[i] > time.time() + 500 for i in held)
+    assert leases[orphan] < time.time() + 10, "a line not held was renewed"
+
+
+def test_worker_ids_are_unique_per_start() -> None:
+    """``host:pid`` repeats after a container restart (PID 1, same hostname)."""
+    mine = worker_id()
+    assert worker_id() == mine, "stable within a process"
+    host, pid, suffix = mine.split(":")
+    assert pid == str(os.getpid()) and len(suffix) == 6
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # a forked child (prefork pool) is another worker
+        os.write(write, worker_id().encode())
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert os.read(read, 200).decode() != mine
+    # A new process with the same pid and host (simulated: forget this process's id).
+    from workers import runner as runner_module
+
+    runner_module._worker_ids.clear()
+    try:
+        assert worker_id() != mine
+    finally:
+        runner_module._worker_ids[os.getpid()] = mine
+
+
+def test_transient_database_errors_are_told_from_wrong_statements() -> None:
+    assert is_transient(psycopg.OperationalError("server closed the connection"))
+    from sqlalchemy.exc import OperationalError
+
+    assert is_transient(OperationalError("SELECT 1", {}, Exception("database is locked")))
+    assert not is_transient(IntegrityError("INSERT", {}, Exception("duplicate key")))
+    assert not is_transient(psycopg.errors.DataError("invalid input"))
+    assert not is_transient(psycopg.ProgrammingError("syntax error"))
+
+
+def test_a_raw_psycopg_outage_in_write_back_keeps_the_results(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The unnest write-back uses a raw psycopg cursor: its ``OperationalError`` is psycopg's,
+    which ``(sqlalchemy OperationalError, DBAPIError)`` did not catch; the drain died."""
+    tenant, sdk = tenant_sdk
+    ids = [f"r{i}" for i in range(10)]
+    batch_id = make(settings, tenant, [line(i, model=MODEL) for i in ids])
+    real, outages = DbStore.flush, [3]
+
+    def flaky(self: DbStore, flush: Flush) -> Written:
+        if flush.results and outages[0] > 0:
+            outages[0] -= 1
+            raise psycopg.OperationalError("the database system is shutting down")
+        return real(self, flush)
+
+    monkeypatch.setattr(DbStore, "flush", flaky)
+    stats = Runner(settings, InstantEngine(MODEL), "w-outage").drain()
+    assert stats.outcome == "drained" and outages == [0]
+    finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    output, errors = check_ran_batch(sdk, sdk.batches.retrieve(batch_id), ids)
+    assert len(output) == 10 and not errors
+
+
+def test_a_wrong_write_is_not_retried_forever(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ``IntegrityError`` fails the same way every time: the drain raises (lines go back to
+    pending for a fixed worker) instead of looping on it."""
+    tenant, _ = tenant_sdk
+    batch_id = make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(5)])
+
+    def wrong(self: DbStore, flush: Flush) -> Written:
+        raise IntegrityError("UPDATE requests", {}, Exception("violates check constraint"))
+
+    monkeypatch.setattr(DbStore, "flush", wrong)
+    with pytest.raises(IntegrityError):
+        Runner(settings, InstantEngine(MODEL), "w-wrong").drain()
+    monkeypatch.undo()
+    assert {r.status for r in rows(settings, batch_id)} == {"pending"}
+
+
+class BlockingMetrics:
+    """A Prometheus endpoint whose first scrape answers and every later one hangs until
+    ``release`` (a real-time server's /metrics stuck behind its own load)."""
+
+    def __init__(self) -> None:
+        self.scrapes = 0
+        self.blocked = threading.Event()
+        self.released = threading.Event()
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                endpoint.scrapes += 1
+                if endpoint.scrapes > 1:
+                    endpoint.blocked.set()
+                    endpoint.released.wait(60)
+                body = b"vllm:num_requests_running 0\n"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.released.set()
+        self.server.shutdown()
+
+
+def test_a_slow_load_signal_does_not_stall_the_engine(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI]
+) -> None:
+    tenant, _ = tenant_sdk
+    endpoint = BlockingMetrics()
+    policy = SchedulerSettings(load_signals=["prometheus"], load_poll_seconds=0.05)
+    policy.prometheus.url = endpoint.url
+    policy.prometheus.timeout_seconds = 30.0
+    settings = settings.model_copy(update={"scheduler": policy})
+    make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(400)])
+    engine = DyingEngine(lambda _step, _queued: False)
+    worker = threading.Thread(target=Runner(settings, engine, "w-slow-signal").drain)
+    try:
+        worker.start()
+        assert endpoint.blocked.wait(30), "the second scrape never came"
+        steps = engine.steps
+        deadline = time.monotonic() + 20
+        while engine.steps < steps + 20:
+            assert time.monotonic() < deadline, "the engine stopped stepping during a scrape"
+            time.sleep(0.01)
+    finally:
+        endpoint.close()
+        worker.join(timeout=60)
+
+
+def test_a_stop_request_hands_every_held_line_back(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI]
+) -> None:
+    """SIGTERM on an engine worker sets the stop request: the runner writes back what
+    finished, hands the rest back to pending unrun (no attempt counted) and returns."""
+    from workers import lifecycle
+
+    tenant, _ = tenant_sdk
+    batch_id = make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(200)])
+    engine = DyingEngine(lambda step, _queued: (step == 20 and lifecycle.request_stop()) or False)
+    try:
+        stats = Runner(settings, engine, "w-stop").drain()
+    finally:
+        lifecycle.reset()
+    assert stats.outcome == "stopped"
+    states = [(r.status, r.attempts) for r in rows(settings, batch_id)]
+    assert {s for s, _ in states} == {"succeeded", "pending"}
+    assert {a for s, a in states if s == "pending"} == {0}, "a stop is not a failed attempt"
+    assert 15 <= sum(s == "succeeded" for s, _ in states) <= 20
+
+
+def test_the_drain_task_rebuilds_a_failed_engine(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``drain_model``: an ``EngineFault`` closes the engine, loads a new one into the same
+    runner and sends another drain; too many failures exit the process for its supervisor."""
+    from workers import tasks
+    from workers.engine import registry
+
+    loads: list[DyingEngine] = []
+    sent: list[str] = []
+
+    def load(_settings: Settings, name: str) -> DyingEngine:
+        engine = DyingEngine(lambda step, _queued: step == 3 and len(loads) == 1)
+        loads.append(engine)
+        registry._engines[name] = engine
+        return engine
+
+    tenant, _ = tenant_sdk
+    batch_id = make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(10)])
+    monkeypatch.setattr(tasks, "get_settings", lambda: settings)
+    monkeypatch.setattr(registry, "load", load)
+    monkeypatch.setattr(registry, "device_name", lambda: "cpu")
+    monkeypatch.setattr(tasks.queues, "send_drain", lambda _s, model: sent.append(model))
+    monkeypatch.setattr(tasks.queues, "send_finalize", lambda _s, _b, **_k: None)
+    monkeypatch.setattr(tasks, "_runners", {})
+    monkeypatch.setattr(tasks, "_engine_failures", {})
+    tasks.drain_model(MODEL)  # the first engine dies at its third step
+    assert len(loads) == 2 and sent == [MODEL], "a new engine was loaded and a drain sent"
+    assert tasks._runners[MODEL].engine is loads[1]
+    tasks.drain_model(MODEL)
+    assert {r.status for r in rows(settings, batch_id)} == {"succeeded"}
+
+    exits: list[int] = []
+    monkeypatch.setattr(tasks.os, "_exit", lambda code: exits.append(code))
+    monkeypatch.setattr(tasks, "_engine_failures", {MODEL: [time.monotonic()] * 10})
+    tasks.recover_engine(settings, MODEL, EngineFault("dead again"))
+    assert exits and exits[0] == tasks.EXIT_ENGINE_BROKEN
+
+
+def test_release_and_claim_count_attempts_of_crashes_only(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI]
+) -> None:
+    tenant, _ = tenant_sdk
+    batch_id = make(settings, tenant, [line("r0", model=MODEL)])
+    url = settings.resolved_database_url
+    for _ in range(2):
+        with session_scope(url) as session:
+            [row] = requests_repo.claim(
+                session,
+                model=MODEL,
+                limit=1,
+                owner="w",
+                lease_until=time.time() + 60,
+                at=time.time(),
+            )
+            requests_repo.release(session, "w", [row.id], count_attempt=True)
+    with session_scope(url) as session:
+        [row] = requests_repo.claim(
+            session, model=MODEL, limit=1, owner="w", lease_until=time.time() + 60, at=time.time()
+        )
+        assert row.attempts == 3  # two crashes, and this run
+        requests_repo.release(session, "w", [row.id], count_attempt=False)
+    assert [r.attempts for r in rows(settings, batch_id)] == [2]
