@@ -23,6 +23,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -83,8 +84,18 @@ class File(Base):
     expires_at: Mapped[int | None] = mapped_column(BigInteger)
     deleted: Mapped[bool] = mapped_column(Boolean, default=False)
 
-    # Ids start with their creation time, so id order is creation order (see offpeak.ids).
-    __table_args__ = (Index("ix_files_tenant_id", "tenant_id", "id"),)
+    __table_args__ = (
+        # Ids start with their creation time, so id order is creation order (see offpeak.ids).
+        Index("ix_files_tenant_id", "tenant_id", "id"),
+        # One live file per stored blob: a re-run finalize reuses its output and error files.
+        Index(
+            "uq_files_blob_key_live",
+            "blob_key",
+            unique=True,
+            postgresql_where=text("NOT deleted"),
+            sqlite_where=text("NOT deleted"),
+        ),
+    )
 
 
 class Batch(Base):
@@ -281,3 +292,27 @@ class LoadSample(Base):
     source: Mapped[str] = mapped_column(String(200))
     load: Mapped[float] = mapped_column(Float)
     paused: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class QueuedMessage(Base):
+    """A task message sent and not yet started, at most one per ``key`` (``finalize:<batch id>``,
+    ``drain:<model>``, ``validate:<batch id>``), whatever the broker: a sender skips a message
+    that is already queued (``storage.repositories.queued_messages``).
+
+    The task deletes the row when it starts, if ``mark`` is still the one its message carries. A
+    row whose ``resend_at`` has passed counts as lost (a broker restart, a worker that died before
+    starting it) and the next sender sends again, waiting twice as long before the next re-send.
+    """
+
+    __tablename__ = "queued_messages"
+
+    key: Mapped[str] = mapped_column(String(300), primary_key=True)
+    #: The token the last message sent for ``key`` carries.
+    mark: Mapped[str] = mapped_column(String(32))
+    sent_at: Mapped[float] = mapped_column(Float)
+    #: Unix seconds at which the message becomes runnable (its countdown ends).
+    due_at: Mapped[float] = mapped_column(Float)
+    #: Seconds after ``due_at`` the message may wait unstarted before it counts as lost.
+    wait_seconds: Mapped[float] = mapped_column(Float)
+    #: ``due_at + wait_seconds``.
+    resend_at: Mapped[float] = mapped_column(Float)

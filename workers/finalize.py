@@ -45,8 +45,9 @@ class Step:
 
 
 def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
-    """Stream the batch's rows into its output and error files (fixed blob keys, so a re-run
-    overwrites rather than adds) and record them."""
+    """Stream the batch's rows into its output and error files and record them, once: the blob
+    keys are fixed, so a re-run overwrites the bytes, and reuses the file rows it finds under them
+    (a unique index on live blob keys backs this up)."""
     out_key, err_key = f"outputs/{batch.id}/output.jsonl", f"outputs/{batch.id}/errors.jsonl"
     out_bytes = err_bytes = 0
     with blobs.writer(out_key) as out, blobs.writer(err_key) as err:
@@ -69,8 +70,15 @@ def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
         (out_bytes, out_key, "output", "output_file_id"),
         (err_bytes, err_key, "error", "error_file_id"),
     ):
+        existing = files_repo.live_by_blob_key(session, key)
         if size == 0:
             blobs.delete(key)
+            if existing is not None:
+                existing.deleted = True
+            continue
+        if existing is not None:
+            existing.bytes = size
+            setattr(batch, attr, existing.id)
             continue
         file = files_repo.add(
             session,
@@ -90,6 +98,17 @@ def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
         setattr(batch, attr, file.id)
 
 
+#: Seconds between looks at a cancelling or expired batch whose lines a worker still holds:
+#: a quarter of the time it has waited, within these bounds. A live worker stops a cancelled
+#: batch's lines within seconds; a dead one's leases run out after ``lease_seconds``.
+RETRY_MIN_SECONDS = 1.0
+RETRY_MAX_SECONDS = 10.0
+
+
+def _retry_in(waited: float) -> float:
+    return min(max(RETRY_MIN_SECONDS, waited / 4), RETRY_MAX_SECONDS)
+
+
 def _advance(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
     """Advance a batch towards its end, if it is ready; safe to call any number of times.
 
@@ -100,7 +119,7 @@ def _advance(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
     """
     url = settings.resolved_database_url
     with session_scope(url) as session:
-        batch = batches_repo.get_for_update(session, batch_id)
+        batch = batches_repo.lock(session, batch_id)
         if batch is None or batch.status in batches_repo.FINAL_STATUSES:
             return Step(done=True)
         if batch.status == "validating":
@@ -118,11 +137,15 @@ def _advance(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
         if unfinished:
             # Lines still pending or held by a live worker: that worker finishes or aborts them.
             batches_repo.refresh_counts(session, [batch_id])
-            return Step(done=False, retry_in=1.0 if target != "completed" else None)
+            if target == "completed":
+                return Step(done=False)  # the drain that finishes the lines sends the finalize
+            since = batch.cancelling_at if target == "cancelled" else batch.expires_at
+            return Step(done=False, retry_in=_retry_in(at - (since or at)))
         if target == "completed" and batch.status == "in_progress":
             batch.status, batch.finalizing_at = "finalizing", now()
     with session_scope(url) as session:
-        batch = batches_repo.get_for_update(session, batch_id)
+        # Locked on SQLite too: two finalizes that both passed the status check wrote two files.
+        batch = batches_repo.lock(session, batch_id)
         if batch is None or batch.status in batches_repo.FINAL_STATUSES:
             return Step(done=True)
         batches_repo.refresh_counts(session, [batch_id])

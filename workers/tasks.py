@@ -11,6 +11,7 @@ from offpeak.settings import Settings, get_settings
 from storage.blobs import get_blob_store
 from storage.db import session_scope
 from storage.repositories import batches as batches_repo
+from storage.repositories import queued_messages
 from workers import accounting, metrics
 from workers.celery_app import app
 from workers.engine import registry
@@ -23,8 +24,9 @@ log = logging.getLogger(__name__)
 
 
 @app.task(name=queues.VALIDATE_TASK)
-def validate_batch(batch_id: str) -> None:
+def validate_batch(batch_id: str, mark: str | None = None) -> None:
     settings = get_settings()
+    queues.message_started(settings, queues.validate_key(batch_id), mark)
     model = run_validation(settings, get_blob_store(settings.resolved_blob_url), batch_id)
     if model is not None:
         queues.send_drain(settings, model)
@@ -44,11 +46,12 @@ def runner_for(settings: Settings, model: str) -> Runner:
 
 
 @app.task(name=queues.DRAIN_TASK)
-def drain_model(model: str) -> None:
+def drain_model(model: str, mark: str | None = None) -> None:
     """Run ``model``'s batch work under the scheduler until nothing admissible is left: every
     runnable line ran, or the load (or a pause) holds the rest back; the sweep sends another
     drain every ``sweep_seconds`` while batches of the model are running."""
     settings = get_settings()
+    queues.message_started(settings, queues.drain_key(model), mark)  # the next send queues one
     stats = runner_for(settings, model).drain()
     for batch_id in stats.touched:
         queues.send_finalize(settings, batch_id)
@@ -57,8 +60,11 @@ def drain_model(model: str) -> None:
 
 
 @app.task(name=queues.FINALIZE_TASK)
-def finalize_batch(batch_id: str) -> None:
+def finalize_batch(batch_id: str, mark: str | None = None) -> None:
+    """Finalize the batch; while it waits for its lines, queue the next look (one chain per
+    batch: ``send_finalize`` skips it when another finalize of the batch is queued sooner)."""
     settings = get_settings()
+    queues.message_started(settings, queues.finalize_key(batch_id), mark)
     step = finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
     if step.retry_in is not None:
         queues.send_finalize(settings, batch_id, countdown=step.retry_in)
@@ -77,10 +83,10 @@ def sweep() -> None:
         finalizing += batches_repo.finished_but_running(session)
         validating = batches_repo.ids_in_status(session, "validating")
         models = batches_repo.active_models(session)
-    for batch_id in {*expired, *cancelling, *finalizing}:
-        queues.send_finalize(settings, batch_id)
-    for batch_id in validating:
-        queues.send_validate(settings, batch_id)
+        queued_messages.purge(session, before=at - 4 * queues.MAX_WAIT_SECONDS)
+    # Each is skipped while a message for it is queued, and re-sent once that one is lost.
+    queues.send_finalizes(settings, sorted({*expired, *cancelling, *finalizing}))
+    queues.send_validates(settings, validating)
     for model in models:
         if model in settings.models:
             queues.send_drain(settings, model)

@@ -67,6 +67,22 @@ def try_lock_validation(session: Session, batch_id: str) -> bool:
     return bool(session.scalar(select(func.pg_try_advisory_xact_lock(_VALIDATION_LOCK_SPACE, key))))
 
 
+def lock(session: Session, batch_id: str) -> Batch | None:
+    """The batch, fresh from the database and locked against every other writer until the
+    transaction ends: ``FOR UPDATE`` on PostgreSQL; on SQLite, which ignores ``FOR UPDATE`` and
+    lets two transactions read the same status, a no-op write first takes the database's write
+    lock (waiting up to its ``busy_timeout``). For steps that must run once (finalize)."""
+    if session.get_bind().dialect.name != "postgresql":
+        session.execute(
+            update(Batch)
+            .where(Batch.id == batch_id)
+            .values(status=Batch.status)
+            .execution_options(synchronize_session=False)
+        )
+    query = select(Batch).where(Batch.id == batch_id).with_for_update()
+    return session.scalar(query.execution_options(populate_existing=True))
+
+
 def get_any(session: Session, batch_id: str) -> Batch | None:
     return session.get(Batch, batch_id)
 

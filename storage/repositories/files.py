@@ -23,6 +23,12 @@ def get(session: Session, tenant_id: str, file_id: str) -> File | None:
     )
 
 
+def live_by_blob_key(session: Session, blob_key: str) -> File | None:
+    """The live (not deleted) file stored under ``blob_key``; there is at most one (a unique
+    index), so a re-run finalize finds and reuses its output and error files."""
+    return session.scalar(select(File).where(File.blob_key == blob_key, File.deleted.is_(False)))
+
+
 def get_any(session: Session, file_id: str) -> File | None:
     """A file by id, whatever its tenant (workers only)."""
     return session.get(File, file_id)
