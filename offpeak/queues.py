@@ -37,7 +37,7 @@ def model_queue(settings: Settings, model: str) -> str:
 
 
 def make_celery(settings: Settings) -> Celery:
-    """A Celery app on the configured broker (Redis, or kombu's filesystem transport)."""
+    """A Celery app on the configured broker (Redis, or ``offpeak.broker``: files on disk)."""
     broker = settings.resolved_broker_url
     app = Celery("offpeak", broker=broker, set_as_current=False)
     options: dict[str, object] = {}
@@ -53,6 +53,9 @@ def make_celery(settings: Settings) -> Celery:
             "control_folder": str(folder / "control"),
             "store_processed": False,
         }
+        # kombu's own filesystem transport lets a consumer read a half-written message file
+        # (JSONDecodeError kills the worker); this one writes and claims files atomically.
+        app.conf.broker_transport = "offpeak.broker:Transport"
     else:
         # Longer than the longest drain task, so Redis does not redeliver a task still running.
         options = {"visibility_timeout": 6 * 3600}
