@@ -1,5 +1,6 @@
 """Crash safety on the real stack: API, control worker and two engine workers on the real SmolLM2
-model, with a database and queues of their own and short leases.
+model, with short leases, on a PostgreSQL and a Redis server of this module's own
+(``tests.services``: throwaway servers in temporary folders, on free ports).
 
 - An engine worker killed with SIGKILL in the middle of a chunk: its leases run out and the
   other worker runs its lines; every ``custom_id`` comes back exactly once.
@@ -7,25 +8,20 @@ model, with a database and queues of their own and short leases.
   lost, the sweep sends them again) and PostgreSQL restarted in the middle of a batch (workers
   keep their results until the database is back): the batch still completes.
 
-The restarts touch services other test runs on this machine share; each is a few seconds.
+The restarts stop this module's servers only; the machine's shared ones are never touched. The
+SIGKILL test runs on the same stack: one pair of engines serves the whole module.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import orjson
-import psycopg
 import pytest
-import redis
 from openai import OpenAI
 from sqlalchemy import func, select
 
@@ -34,8 +30,9 @@ from offpeak.processes import ServiceProcesses
 from offpeak.settings import Settings
 from storage.db import session_scope
 from storage.models import EngineChunk, RequestLine, WorkerRecord
-from tests.conftest import PG_ADMIN, REDIS_URL, free_port, new_key, settings_from, wait_for_end
+from tests.conftest import free_port, new_key, settings_from, wait_for_end
 from tests.helpers import check_ran_batch
+from tests.services import PostgresServer, RedisServer
 
 pytestmark = pytest.mark.engine
 MODEL = "SmolLM2-135M-Instruct"
@@ -46,18 +43,20 @@ LEASE_SECONDS = 6
 
 @pytest.fixture(scope="module")
 def crash_env(
-    base_env: dict[str, str], run_id: str, tmp_path_factory: pytest.TempPathFactory
+    base_env: dict[str, str],
+    run_id: str,
+    own_postgres: PostgresServer,
+    own_redis: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, str]]:
-    """A database and queue prefix of this module's own: another stack's workers sharing the
-    session database would otherwise run these batches."""
-    name = f"offpeak_{run_id}_crash"
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    """The stack's environment: the module's own database server and broker, which the tests
+    restart, and a queue prefix and data folder of its own."""
+    url = own_postgres.create_database("offpeak_crash")
     migrations.upgrade(url)
     yield {
         **base_env,
         "OFFPEAK_DATABASE_URL": url,
+        "OFFPEAK_BROKER_URL": own_redis.url(0),
         "OFFPEAK_QUEUE_PREFIX": f"{run_id}-crash",
         "OFFPEAK_DATA_DIR": str(tmp_path_factory.mktemp("crash-data")),
         "OFFPEAK_LEASE_SECONDS": str(LEASE_SECONDS),
@@ -79,9 +78,7 @@ def crash_env(
     }
     from storage.db import get_engine
 
-    get_engine(url).dispose()
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    get_engine(url).dispose()  # this process's pool, before its server goes away
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +136,11 @@ def lines_by_status(settings: Settings, batch_id: str) -> dict[str, int]:
         return {}
 
 
+def pid_of(worker_id: str) -> int:
+    """The process id in a worker id (``host:pid``, with a per-start suffix or without)."""
+    return int(worker_id.split(":")[1])
+
+
 def submit(client: OpenAI, prefix: str, n: int, max_tokens: int) -> tuple[str, list[str]]:
     """A batch of ``n`` lines whose replies run from ``max_tokens / 6`` to ``max_tokens`` tokens,
     so lines finish one after another rather than all in the same step."""
@@ -184,14 +186,14 @@ def test_engine_worker_killed_mid_chunk(
                 .distinct()
             ).all()
         done = lines_by_status(crash_settings, batch_id).get("succeeded", 0)
-        held = [pids[int(o.rsplit(":", 1)[1])] for o in owners if o]
+        held = [pids[pid_of(o)] for o in owners if o]
         return held[0] if held and done >= 2 else None
 
     wait_until(lambda: holder() is not None, stack, timeout=240)
     victim = holder()
     assert victim is not None
     victim_id = next(
-        w for w in ready_workers(crash_settings) if w.endswith(f":{stack.procs[victim].pid}")
+        w for w in ready_workers(crash_settings) if pid_of(w) == stack.procs[victim].pid
     )
     stack.kill(victim, signal.SIGKILL)  # the whole process group: worker and engine core
     killed_at = time.time()
@@ -228,55 +230,16 @@ def wait_through_outages(client: OpenAI, batch_id: str, stack: ServiceProcesses,
             time.sleep(1)
 
 
-def restart_redis() -> None:
-    """Restart Redis the way ``.ci/run`` starts it (nothing kept on disk)."""
-    client = redis.Redis.from_url(REDIS_URL)
-    with contextlib.suppress(redis.ConnectionError):  # shutting down drops the connection
-        client.shutdown(nosave=True)
-    Path("/var/log/redis").mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [
-            "redis-server",
-            "--daemonize", "yes",
-            "--bind", "127.0.0.1", "-::1",
-            "--port", "6379",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", "/var/lib/redis",
-            "--logfile", "/var/log/redis/ci.log",
-        ],
-        check=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if client.ping():
-                return
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.2)
-
-
-def restart_postgres() -> None:
-    """Restart PostgreSQL (fast mode: open connections are cut) as ``.ci/run`` starts it."""
-    version = sorted(os.listdir("/etc/postgresql"))[-1]
-    subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "restart", "-m", "fast"],
-        check=True,
-        timeout=120,
-    )
-    deadline = time.monotonic() + 60
-    while subprocess.run(["pg_isready", "-h", "127.0.0.1", "-p", "5432", "-q"]).returncode:
-        assert time.monotonic() < deadline, "PostgreSQL did not come back"
-        time.sleep(0.5)
-
-
-@pytest.mark.parametrize("restart", [restart_redis, restart_postgres], ids=["redis", "postgres"])
+@pytest.mark.parametrize("service", ["redis", "postgres"])
 def test_batch_completes_across_a_restart(
-    stack: ServiceProcesses, client: OpenAI, crash_settings: Settings, restart
-) -> None:  # type: ignore[no-untyped-def]
-    batch_id, ids = submit(client, restart.__name__, 32, 96)
+    stack: ServiceProcesses,
+    client: OpenAI,
+    crash_settings: Settings,
+    own_postgres: PostgresServer,
+    own_redis: RedisServer,
+    service: str,
+) -> None:
+    batch_id, ids = submit(client, f"restart-{service}", 32, 96)
     wait_until(
         lambda: lines_by_status(crash_settings, batch_id).get("succeeded", 0) >= 2,
         stack,
@@ -284,7 +247,10 @@ def test_batch_completes_across_a_restart(
     )
     before = lines_by_status(crash_settings, batch_id)
     assert before.get("pending", 0) + before.get("running", 0) > 0, "restart came too late"
-    restart()
+    if service == "redis":
+        own_redis.restart()  # SHUTDOWN NOSAVE: every queued message is lost
+    else:
+        own_postgres.restart("fast")  # open connections are cut
     batch = wait_through_outages(client, batch_id, stack, timeout=300)
     assert batch.status == "completed"
     output, errors = check_ran_batch(client, batch, ids)
