@@ -169,9 +169,9 @@ def message_started(settings: Settings, key: str, mark: str | None) -> None:
             queued_messages.release(session, [key], mark)
 
 
-def send_validate(settings: Settings, batch_id: str) -> bool:
-    """Queue the batch's validation unless one is already queued. True when sent."""
-    return send_validates(settings, [batch_id]) == 1
+def send_validate(settings: Settings, batch_id: str) -> None:
+    """Queue the batch's validation unless one is already queued."""
+    send_validates(settings, [batch_id])
 
 
 def send_validates(settings: Settings, batch_ids: Iterable[str]) -> int:
@@ -180,14 +180,13 @@ def send_validates(settings: Settings, batch_ids: Iterable[str]) -> int:
     return _send_once(settings, VALIDATE_TASK, control_queue(settings), messages)
 
 
-def send_finalize(settings: Settings, batch_id: str, countdown: float | None = None) -> bool:
+def send_finalize(settings: Settings, batch_id: str, countdown: float | None = None) -> None:
     """Queue a finalize of the batch, runnable in ``countdown`` seconds, unless one is queued that
-    runs no later. True when sent. At most two are ever queued per batch (a later one and the one
+    runs no later. At most two are ever queued per batch (a later one and the one
     that overtook it); the task itself re-queues one while the batch waits for its lines."""
     messages = {finalize_key(batch_id): [batch_id]}
     queue = control_queue(settings)
-    sent = _send_once(settings, FINALIZE_TASK, queue, messages, countdown=countdown, sooner=True)
-    return sent == 1
+    _send_once(settings, FINALIZE_TASK, queue, messages, countdown=countdown, sooner=True)
 
 
 def send_finalizes(settings: Settings, batch_ids: Iterable[str]) -> int:
@@ -197,8 +196,8 @@ def send_finalizes(settings: Settings, batch_ids: Iterable[str]) -> int:
     return _send_once(settings, FINALIZE_TASK, control_queue(settings), messages)
 
 
-def send_drain(settings: Settings, model: str) -> bool:
-    """Queue a drain of ``model`` unless one is already queued. True when sent.
+def send_drain(settings: Settings, model: str) -> None:
+    """Queue a drain of ``model`` unless one is already queued.
 
     One queued drain per model is enough: a drain runs until nothing admissible is left, so it
     takes every batch validated before it starts, and it clears the record as it starts, so work
@@ -207,4 +206,4 @@ def send_drain(settings: Settings, model: str) -> bool:
     started.
     """
     messages = {drain_key(model): [model]}
-    return _send_once(settings, DRAIN_TASK, model_queue(settings, model), messages) == 1
+    _send_once(settings, DRAIN_TASK, model_queue(settings, model), messages)

@@ -98,7 +98,7 @@ class Message:
     kwargs: dict[str, Any]
 
 
-def _decode(raw: bytes) -> Message:
+def _decode(raw: Any) -> Message:
     """A kombu Redis envelope around a Celery protocol-2 body ``[args, kwargs, embed]``."""
     envelope = json.loads(raw)
     body = envelope["body"]
@@ -362,6 +362,7 @@ def _batch_files(settings: Settings, batch_id: str) -> tuple[Batch, list[File]]:
 def _check_one_of_each(settings: Settings, batch_id: str) -> None:
     batch, files = _batch_files(settings, batch_id)
     assert batch.status == "cancelled"
+    assert batch.output_file_id is not None and batch.error_file_id is not None
     assert sorted(f.id for f in files) == sorted([batch.output_file_id, batch.error_file_id])
     # And as the user sees it, through the API.
     with session_scope(settings.resolved_database_url) as session:
@@ -483,6 +484,9 @@ def test_the_migration_retires_the_unreferenced_twin_files(tmp_path: Path) -> No
         )
     migrations.upgrade(url)
     with engine.connect() as connection:
-        rows = dict(connection.execute(text("SELECT id, deleted FROM files ORDER BY id")).all())
+        rows = {
+            file_id: bool(deleted)
+            for file_id, deleted in connection.execute(text("SELECT id, deleted FROM files"))
+        }
     engine.dispose()
     assert rows == {"file-a": True, "file-b": False}

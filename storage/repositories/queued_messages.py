@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import ColumnElement, case, delete
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from storage.models import QueuedMessage
@@ -20,11 +21,7 @@ _CHUNK = 500
 
 def _insert(session: Session) -> Any:
     """The dialect's ``INSERT`` construct, which has ``on_conflict_do_update``."""
-    if session.get_bind().dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-    return insert
+    return (postgresql if session.get_bind().dialect.name == "postgresql" else sqlite).insert
 
 
 def reserve(
