@@ -4,6 +4,7 @@ lives in ``validation``, ``runner`` and ``finalize``."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from offpeak import queues
@@ -15,6 +16,7 @@ from storage.repositories import queued_messages
 from workers import accounting, metrics
 from workers.celery_app import app
 from workers.engine import registry
+from workers.engine.base import EngineFault
 from workers.finalize import finalize
 from workers.runner import Runner, worker_id
 from workers.scheduler.slack import sweep_estimates
@@ -45,14 +47,67 @@ def runner_for(settings: Settings, model: str) -> Runner:
     return _runners[model]
 
 
+#: Monotonic times of this process's recent engine failures, per model.
+_engine_failures: dict[str, list[float]] = {}
+#: Exit status of an engine worker that gave up rebuilding its engine (EX_SOFTWARE).
+EXIT_ENGINE_BROKEN = 70
+
+
+def recover_engine(settings: Settings, model: str, fault: EngineFault) -> None:
+    """The engine of ``model`` failed and the runner handed its lines back: close it and load a
+    new one into the same runner (its gate and urgent set carry over), then send a drain so the
+    lines run again. After ``max_engine_failures`` failures within
+    ``engine_failure_window_seconds``, or when the new engine cannot load, exit the process with
+    ``EXIT_ENGINE_BROKEN`` for its supervisor (``offpeak up``, Docker, systemd) to restart."""
+    log.error("%s: engine failed (%s); its lines went back to pending", model, fault)
+    metrics.ENGINE_FAILURES.labels(model).inc()
+    registry.discard(model)
+    at = time.monotonic()
+    recent = [
+        t
+        for t in _engine_failures.get(model, [])
+        if at - t < settings.engine_failure_window_seconds
+    ]
+    _engine_failures[model] = [*recent, at]
+    if len(_engine_failures[model]) >= settings.max_engine_failures:
+        log.critical(
+            "%s: %d engine failures in %.0f s; exiting for the supervisor to restart this worker",
+            model,
+            len(_engine_failures[model]),
+            settings.engine_failure_window_seconds,
+        )
+        _exit_broken()
+    try:
+        engine = registry.load(settings, model)
+    except Exception:
+        log.critical("%s: cannot load a new engine; exiting", model, exc_info=True)
+        _exit_broken()
+    if model in _runners:
+        _runners[model].replace_engine(engine)
+    queues.send_drain(settings, model)
+
+
+def _exit_broken() -> None:
+    registry.close_all()
+    logging.shutdown()
+    # os._exit, not sys.exit: Celery would catch SystemExit inside a task; and the drain message
+    # (acked late) is redelivered to the worker that replaces this one.
+    os._exit(EXIT_ENGINE_BROKEN)
+
+
 @app.task(name=queues.DRAIN_TASK)
 def drain_model(model: str, mark: str | None = None) -> None:
     """Run ``model``'s batch work under the scheduler until nothing admissible is left: every
     runnable line ran, or the load (or a pause) holds the rest back; the sweep sends another
-    drain every ``sweep_seconds`` while batches of the model are running."""
+    drain every ``sweep_seconds`` while batches of the model are running. A failed engine is
+    rebuilt (``recover_engine``): its lines go back to pending, never to failed."""
     settings = get_settings()
     queues.message_started(settings, queues.drain_key(model), mark)  # the next send queues one
-    stats = runner_for(settings, model).drain()
+    try:
+        stats = runner_for(settings, model).drain()
+    except EngineFault as fault:
+        recover_engine(settings, model, fault)
+        return
     for batch_id in stats.touched:
         queues.send_finalize(settings, batch_id)
     if stats.outcome == "yielded":

