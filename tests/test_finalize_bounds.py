@@ -311,6 +311,43 @@ def any_db_settings(
     get_engine(url).dispose()
 
 
+def test_reserve_sends_only_missing_lost_or_overtaken_keys(any_db_settings: Settings) -> None:
+    """The record's rules in one statement, on both databases: a fresh record holds a send back,
+    a lost one lets it through (doubling its wait), a sooner message overtakes a later one."""
+    from storage.repositories import queued_messages
+
+    url = any_db_settings.resolved_database_url
+    tag = secrets.token_hex(3)
+    fresh, lost, later, new = (f"{tag}:{name}" for name in ("fresh", "lost", "later", "new"))
+
+    def reserve(keys: list[str], *, now: float, due_at: float, sooner: bool) -> list[str]:
+        with session_scope(url) as session:
+            return queued_messages.reserve(
+                session, keys, mark=f"m{now}", now=now, due_at=due_at, wait_seconds=10,
+                max_wait_seconds=25, sooner=sooner,
+            )  # fmt: skip
+
+    assert sorted(reserve([fresh, lost], now=100, due_at=100, sooner=False)) == [fresh, lost]
+    assert reserve([later], now=100, due_at=105, sooner=True) == [later]
+    # Records resend at 110 (``fresh``, ``lost``) and 115 (``later``): at 104 only ``new`` goes.
+    assert reserve([fresh, later, new], now=104, due_at=104, sooner=False) == [new]
+    assert reserve([later], now=104, due_at=104, sooner=True) == [later]  # overtakes due 105
+    assert reserve([later], now=104.5, due_at=105.5, sooner=True) == []  # one is due sooner
+    assert reserve([lost], now=110, due_at=110, sooner=False) == [lost]
+    with session_scope(url) as session:
+        record = session.get(QueuedMessage, lost)
+        assert record is not None
+        assert (record.wait_seconds, record.resend_at, record.mark) == (20, 130, "m110")
+    assert reserve([lost], now=129, due_at=129, sooner=False) == []
+    assert reserve([lost], now=130, due_at=130, sooner=False) == [lost]
+    with session_scope(url) as session:
+        record = session.get(QueuedMessage, lost)
+        assert record is not None and record.wait_seconds == 25  # doubled, up to the cap
+        assert queued_messages.release(session, [lost], "m110") == 0  # an older message's mark
+        assert queued_messages.release(session, [lost], "m130") == 1
+    assert reserve([lost], now=131, due_at=131, sooner=False) == [lost]
+
+
 def _half_run_cancelled_batch(settings: Settings) -> str:
     """A 4-line batch: 2 lines succeeded, then cancelled, so it ends with both files."""
     _, (batch_id,) = _create_batches(

@@ -15,9 +15,6 @@ from sqlalchemy.orm import Session
 
 from storage.models import QueuedMessage
 
-#: Rows per ``INSERT``: well under SQLite's 32,766 bound parameters at six columns a row.
-_CHUNK = 500
-
 
 def _insert(session: Session) -> Any:
     """The dialect's ``INSERT`` construct, which has ``on_conflict_do_update``."""
@@ -43,47 +40,48 @@ def reserve(
     a lost key's wait doubles, up to ``max_wait_seconds``, so a message no worker takes (none
     running, or all busy with a long drain) is re-sent ever more rarely, never stuck.
 
-    One ``INSERT … ON CONFLICT DO UPDATE … WHERE … RETURNING`` per 500 keys, on PostgreSQL and
-    SQLite alike, so concurrent senders of one key agree: one of them sends.
+    One ``INSERT … ON CONFLICT DO UPDATE … WHERE … RETURNING`` (batched by SQLAlchemy's
+    "insertmanyvalues"), on PostgreSQL and SQLite alike, so concurrent senders of one key agree:
+    one of them sends. Its shape is fixed (values are parameters), so it compiles once.
     ``now``, ``due_at`` are unix seconds; waits are seconds.
     """
-    table = QueuedMessage
-    lost = table.resend_at <= now
+    if not keys:
+        return []
+    table = QueuedMessage.__table__
+    statement = _insert(session)(table)
+    new = statement.excluded
+    lost = table.c.resend_at <= new.sent_at
     doubled = case(
-        (table.wait_seconds * 2 > max_wait_seconds, max_wait_seconds), else_=table.wait_seconds * 2
+        (table.c.wait_seconds * 2 > max_wait_seconds, max_wait_seconds),
+        else_=table.c.wait_seconds * 2,
     )
-    wait = case((lost, doubled), else_=table.wait_seconds)
+    wait = case((lost, doubled), else_=table.c.wait_seconds)
     when: ColumnElement[bool] = lost
     if sooner:
-        when = lost | (table.due_at > due_at)
-    insert = _insert(session)
-    sent: list[str] = []
-    for start in range(0, len(keys), _CHUNK):
-        rows = [
-            {
-                "key": key,
-                "mark": mark,
-                "sent_at": now,
-                "due_at": due_at,
-                "wait_seconds": wait_seconds,
-                "resend_at": due_at + wait_seconds,
-            }
-            for key in keys[start : start + _CHUNK]
-        ]
-        statement = insert(table).values(rows)
-        statement = statement.on_conflict_do_update(
-            index_elements=[table.key],
-            set_={
-                "mark": mark,
-                "sent_at": now,
-                "due_at": due_at,
-                "wait_seconds": wait,
-                "resend_at": due_at + wait,
-            },
-            where=when,
-        ).returning(table.key)
-        sent.extend(session.scalars(statement))
-    return sent
+        when = lost | (table.c.due_at > new.due_at)
+    statement = statement.on_conflict_do_update(
+        index_elements=[table.c.key],
+        set_={
+            "mark": new.mark,
+            "sent_at": new.sent_at,
+            "due_at": new.due_at,
+            "wait_seconds": wait,
+            "resend_at": new.due_at + wait,
+        },
+        where=when,
+    ).returning(table.c.key)
+    rows = [
+        {
+            "key": key,
+            "mark": mark,
+            "sent_at": now,
+            "due_at": due_at,
+            "wait_seconds": wait_seconds,
+            "resend_at": due_at + wait_seconds,
+        }
+        for key in keys
+    ]
+    return list(session.connection().execute(statement, rows).scalars())
 
 
 def release(session: Session, keys: Sequence[str], mark: str) -> int:
