@@ -67,12 +67,30 @@ def worker(
     models: Annotated[str | None, typer.Option(help="Comma-separated models to serve.")] = None,
     concurrency: Annotated[int, typer.Option(help="Threads of a control worker.")] = 4,
     loglevel: Annotated[str, typer.Option()] = "INFO",
+    stop_timeout: Annotated[
+        float, typer.Option(help="Seconds after SIGTERM before the worker exits regardless.")
+    ] = 25.0,
 ) -> None:
     """Run a Celery worker. ``engine`` loads each served model's engine once, then runs batch
     work from those models' queues in one process (``solo`` pool: an engine cannot live in a
-    daemonic prefork child). ``control`` runs validation, finalization and the periodic sweep."""
-    import logging
+    daemonic prefork child). ``control`` runs validation, finalization and the periodic sweep.
 
+    SIGTERM (or SIGINT) stops it: it takes no new work, hands the lines it holds back, closes its
+    engines and exits, within ``--stop-timeout`` seconds; a second signal exits at once. Its
+    children (vLLM's engine-core) die with it, even if it is SIGKILLed."""
+    import logging
+    import signal
+
+    from offpeak import processes
+
+    def exit_now(signum: int, _frame: object) -> None:
+        # Until Celery runs nothing is held: stop the engine being built, and exit.
+        processes.kill_children(timeout=0)
+        os._exit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, exit_now)
+    processes.spawned_children_die_with_this_process()
     if models:
         os.environ["OFFPEAK_WORKER_MODELS"] = models
         get_settings.cache_clear()
@@ -92,7 +110,7 @@ def worker(
             "threads",
             "-c",
             str(concurrency),
-            "-B",
+            # No -B: beat runs as a thread (workers.beat), not a child that outlives a SIGKILL.
             "-n",
             node,
             "--loglevel",
@@ -140,7 +158,53 @@ def worker(
     from workers.runner import worker_id as this_worker
 
     worker_metrics.start_server(settings, role, this_worker())  # OFFPEAK_METRICS_PORT; 0 = off
-    celery_app.worker_main(argv)
+    from workers.celery_app import install_stop_handling
+    from workers.engine import registry as engines
+
+    install_stop_handling(role, stop_timeout)
+    try:
+        celery_app.worker_main(argv)
+    finally:
+        engines.close_all()  # if Celery ended without its worker_shutdown signal
+        processes.kill_children(timeout=5)
+
+
+@app.command()
+def up(
+    host: Annotated[str | None, typer.Option(help="Interface the API binds.")] = None,
+    port: Annotated[int | None, typer.Option(help="The API's TCP port.")] = None,
+    engines: Annotated[int, typer.Option(help="Engine workers to run (0: none).")] = 1,
+    models: Annotated[
+        str | None, typer.Option(help="Comma-separated models the engine workers serve.")
+    ] = None,
+    log_dir: Annotated[
+        Path | None, typer.Option(help="Where each process logs. Default: <data_dir>/logs.")
+    ] = None,
+) -> None:
+    """Run the whole service on this machine: migrate, then the API, a control worker and the
+    engine workers as child processes. A process that exits is restarted (backoff 1, 2, 4 ... 60
+    s) and the restart logged; Ctrl-C or SIGTERM stops them all, vLLM's engine-core included
+    (a second Ctrl-C kills them at once)."""
+    import logging
+    import subprocess
+    import sys
+
+    from offpeak.processes import Supervisor, up_children
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    settings = get_settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    folder = log_dir or settings.data_dir.resolve() / "logs"
+    migrated = subprocess.run([sys.executable, "-m", "offpeak", "migrate"], check=False)
+    if migrated.returncode != 0:
+        raise typer.Exit(migrated.returncode)
+    children = up_children(engines, models, port, host)
+    shown_port = port or settings.api_port
+    console.print(
+        f"Offpeak up: API on http://{host or settings.api_host}:{shown_port}/v1 · "
+        f"{', '.join(c.name for c in children)} · logs in {folder} · Ctrl-C stops everything"
+    )
+    raise typer.Exit(Supervisor(children, {}, folder).run())
 
 
 @keys_app.command("create")

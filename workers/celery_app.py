@@ -1,6 +1,15 @@
-"""The Celery app workers run (``celery -A workers.celery_app worker``), tasks registered."""
+"""The Celery app workers run (``celery -A workers.celery_app worker``), tasks registered, and how
+a worker process stops (``install_stop_handling``, called by ``offpeak worker``)."""
 
 from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from offpeak.queues import make_celery
 from offpeak.settings import get_settings
@@ -11,5 +20,72 @@ app.conf.beat_schedule = {
 }
 app.conf.beat_schedule_filename = str(get_settings().data_dir.resolve() / "celerybeat-schedule")
 
-import workers.liveness  # noqa: E402,F401  (every worker process heartbeats: /healthz)
 import workers.tasks  # noqa: E402,F401  (registers the tasks on ``app``)
+
+log = logging.getLogger(__name__)
+
+#: Exit code of a worker that had to stop before its work was handed back (Celery's EX_FAILURE).
+EXIT_FORCED = 1
+
+
+def force_exit(reason: str) -> None:
+    """Kill this process's children (an engine-core) at once, then exit with ``EXIT_FORCED``
+    without running cleanup that could block. Lines this worker still held stay leased to it
+    and are taken over once the lease expires (``OFFPEAK_LEASE_SECONDS``)."""
+    from offpeak.processes import kill_children
+
+    log.warning("exiting at once: %s", reason)
+    try:
+        kill_children(timeout=0)
+    finally:
+        os._exit(EXIT_FORCED)
+
+
+def install_stop_handling(role: str, stop_timeout: float) -> None:
+    """How this worker process answers SIGTERM, SIGINT and SIGQUIT once Celery runs.
+
+    First signal: Celery starts its warm shutdown (it stops taking messages and waits for the
+    task that runs) and ``workers.lifecycle.request_stop`` tells the runner to write back what
+    finished, hand its held lines back to pending and return; after ``stop_timeout`` seconds
+    without exiting, ``force_exit``. Any later signal: ``force_exit`` at once. When the worker
+    shuts down, its engines are closed (vLLM's engine-core process exits). A control worker runs
+    beat in a thread (``workers.beat``), started when the worker is ready.
+    """
+    from workers import lifecycle
+
+    signals_seen = 0
+
+    # Celery sends worker_shutting_down from its own handler of each of these signals, in the
+    # main thread: the one place that sees every signal Celery's handlers take.
+    @worker_shutting_down.connect(weak=False)
+    def _on_signal(sig: str = "", how: str = "", **_kwargs: Any) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen > 1:
+            force_exit(f"{sig} during shutdown")
+        log.info("%s: stopping; the runner hands its lines back", sig)
+        lifecycle.request_stop()
+        timer = threading.Timer(
+            stop_timeout, force_exit, args=(f"not stopped {stop_timeout:.0f} s after {sig}",)
+        )
+        timer.daemon = True
+        timer.start()
+
+    @worker_shutdown.connect(weak=False)
+    def _close_engines(**_kwargs: Any) -> None:
+        from workers.engine import registry
+
+        registry.close_all()
+
+    if role == "control":
+        from workers.beat import BeatThread
+
+        beat = BeatThread(app, Path(app.conf.beat_schedule_filename))
+
+        @worker_ready.connect(weak=False)
+        def _start_beat(**_kwargs: Any) -> None:
+            beat.start()
+
+        @worker_shutdown.connect(weak=False)
+        def _stop_beat(**_kwargs: Any) -> None:
+            beat.stop()
