@@ -1,9 +1,10 @@
 """``offpeak demo``: the whole product on one machine, on the real default model.
 
-Starts the API and both workers as child processes (embedded SQLite + filesystem broker unless
-settings say otherwise), submits ``examples/quickstart.jsonl`` through the official ``openai`` SDK
-(one batch per endpoint, since a batch targets one endpoint), shows progress, prints answers with
-their usage, and leaves the output on disk.
+Runs ``offpeak up`` as a child process (the API and both workers, on the embedded SQLite +
+filesystem broker unless settings say otherwise; stopped at the end as Ctrl-C stops it),
+submits ``examples/quickstart.jsonl`` through the official ``openai`` SDK (one batch per
+endpoint, since a batch targets one endpoint), shows progress, prints answers with their usage,
+and leaves the output on disk.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from offpeak.client_tools import ENDED, read_lines
-from offpeak.processes import ServiceProcesses
+from offpeak.processes import OffpeakUp
 from offpeak.settings import get_settings
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.jsonl"
@@ -65,11 +66,11 @@ def run_demo(port: int, console: Console) -> int:
     env = {"OFFPEAK_LOCAL_API_KEY": DEMO_KEY, "OFFPEAK_DATA_DIR": str(data_dir)}
     console.print(f"[bold]Offpeak demo[/bold] · database {settings.resolved_database_url}")
     console.print(f"  broker {settings.resolved_broker_url} · files {settings.resolved_blob_url}")
-    stack = ServiceProcesses(env, port, data_dir / "logs")
-    with console.status("starting the API and workers (the engine loads the model: ~30 s)"):
-        stack.start()
-        stack.wait_http()
+    stack = OffpeakUp(env, port, data_dir / "logs")
     try:
+        with console.status("offpeak up: the API and workers (the engine loads the model: ~30 s)"):
+            stack.start()
+            stack.wait_http()
         client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=DEMO_KEY)
         console.print(
             f"API on {stack.base_url}/v1 · models: {', '.join(m.id for m in client.models.list())}"
@@ -95,7 +96,7 @@ def run_demo(port: int, console: Console) -> int:
         console.print(f"logs in {stack.log_dir}")
 
 
-def _wait(client: OpenAI, stack: ServiceProcesses, batches: dict, console: Console) -> dict:  # type: ignore[type-arg]
+def _wait(client: OpenAI, stack: OffpeakUp, batches: dict, console: Console) -> dict:  # type: ignore[type-arg]
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
