@@ -201,9 +201,9 @@ def send_drain(settings: Settings, model: str) -> None:
 
     One queued drain per model is enough: a drain runs until nothing admissible is left, so it
     takes every batch validated before it starts, and it clears the record as it starts, so work
-    arriving during a drain queues the next one. With several engine workers per model, the
-    second starts draining on the next send (a validated batch or the sweep) after the first
-    started.
+    arriving during a drain queues the next one. With several engine workers per model, a drain
+    that starts while lines are still pending sends the next one (``workers.tasks.drain_model``),
+    so the idle workers join one after another.
     """
     messages = {drain_key(model): [model]}
     _send_once(settings, DRAIN_TASK, model_queue(settings, model), messages)

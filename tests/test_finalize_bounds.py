@@ -189,6 +189,11 @@ def test_a_burst_of_validated_batches_queues_one_drain(settings: Settings, tasks
     assert broker.count(broker.model, queues.DRAIN_TASK) == 1
 
     assert broker.run(broker.model, tasks) == 1  # the drain runs all 200 lines
+    # Starting while they waited, it queued one more for a second engine worker to join
+    # (``drain_model``'s baton); run after it, that one finds none pending and queues nothing.
+    assert broker.count(broker.model, queues.DRAIN_TASK) == 1
+    assert broker.run(broker.model, tasks) == 1
+    assert broker.count(broker.model, queues.DRAIN_TASK) == 0
     # The drain sends one finalize per batch it touched; a sweep finds the same batches done
     # but not finalized (``finished_but_running``) and adds none while those are queued.
     tasks.sweep()

@@ -13,6 +13,7 @@ from storage.blobs import get_blob_store
 from storage.db import session_scope
 from storage.repositories import batches as batches_repo
 from storage.repositories import queued_messages
+from storage.repositories import requests as requests_repo
 from workers import accounting, metrics
 from workers.celery_app import app
 from workers.engine import registry
@@ -103,6 +104,12 @@ def drain_model(model: str, mark: str | None = None) -> None:
     rebuilt (``recover_engine``): its lines go back to pending, never to failed."""
     settings = get_settings()
     queues.message_started(settings, queues.drain_key(model), mark)  # the next send queues one
+    # Pass the baton: while lines wait, one drain stays queued, so every idle engine worker of
+    # the model joins in turn (a busy one takes no second message: prefetch 1, solo pool).
+    with session_scope(settings.resolved_database_url) as session:
+        waiting = requests_repo.has_pending(session, model)
+    if waiting:
+        queues.send_drain(settings, model)
     try:
         stats = runner_for(settings, model).drain()
     except EngineFault as fault:

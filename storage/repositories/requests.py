@@ -155,6 +155,17 @@ def claim(
     return claimed
 
 
+def has_pending(session: Session, model: str) -> bool:
+    """Whether ``model`` has a pending line in a batch that is ``in_progress`` (work a second
+    engine worker could start on)."""
+    pending = select(RequestLine.id).where(
+        RequestLine.model == model,
+        RequestLine.status == "pending",
+        RequestLine.batch_id.in_(select(Batch.id).where(Batch.status == "in_progress")),
+    )
+    return bool(session.scalar(select(pending.exists())))
+
+
 def write_results(session: Session, owner: str, results: Sequence[dict[str, Any]]) -> None:
     """Store finished rows. Each dict: ``id``, ``status`` (succeeded / failed / cancelled /
     expired), ``status_code``, ``result`` (the output or error line), ``prompt_tokens``,
