@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from api.errors import Unauthorized
@@ -42,16 +43,24 @@ def get_blobs(settings: SettingsDep) -> BlobStore:
 BlobsDep = Annotated[BlobStore, Depends(get_blobs)]
 
 
-def get_tenant(
-    session: SessionDep, authorization: Annotated[str | None, Header()] = None
-) -> Tenant:
+#: ``Authorization: Bearer <key>``, declared as the OpenAPI security scheme ``ApiKey`` (not as a
+#: header parameter); a missing or non-bearer header gives ``None`` and our own 401.
+api_key_scheme = HTTPBearer(
+    auto_error=False,
+    scheme_name="ApiKey",
+    description="A tenant's API key, `sk-offpeak-…` (`offpeak keys create` makes one).",
+)
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(api_key_scheme)]
+
+
+def get_tenant(session: SessionDep, credentials: BearerDep) -> Tenant:
     """The tenant whose key is in ``Authorization: Bearer <key>``; 401 otherwise."""
-    if not authorization or not authorization.lower().startswith("bearer "):
+    if credentials is None:
         raise Unauthorized(
             "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'; "
             "`offpeak keys create` makes one."
         )
-    tenant = keys.tenant_for_key(session, authorization[7:].strip())
+    tenant = keys.tenant_for_key(session, credentials.credentials.strip())
     if tenant is None:
         raise Unauthorized("Incorrect API key provided.")
     return tenant

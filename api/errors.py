@@ -88,8 +88,33 @@ def _param_from_loc(loc: tuple[object, ...]) -> str | None:
     return ".".join(parts) or None
 
 
+def _document_errors_as_sent(app: FastAPI) -> None:
+    """Drop the 422 that FastAPI declares on every route with parameters (its
+    ``HTTPValidationError`` body): the handlers below answer a bad parameter with a 400 in
+    OpenAI's shape, and a 422 only for a JSON body that does not parse, which the routes that
+    take one declare themselves (``error_responses(..., 422)``)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = build()
+            for operations in document.get("paths", {}).values():
+                for operation in operations.values():
+                    declared = operation.get("responses", {}).get("422", {})
+                    if "HTTPValidationError" in str(declared.get("content")):
+                        del operation["responses"]["422"]
+            schemas = document.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Render ``ApiError``, request validation and routing errors in OpenAI's shape."""
+    """Render ``ApiError``, request validation and routing errors in OpenAI's shape (and say
+    so in the OpenAPI document)."""
+    _document_errors_as_sent(app)
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -136,8 +161,7 @@ def install_error_handlers(app: FastAPI) -> None:
             raise exc
         log.warning("refused an unencodable value: %s", exc)
         body = error_object(
-            "A string in the request is not valid Unicode text (it holds a lone UTF-16 "
-            "surrogate).",
+            "A string in the request is not valid Unicode text (it holds a lone UTF-16 surrogate).",
             code="invalid_value",
         )
         return JSONResponse(body, status_code=400)

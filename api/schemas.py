@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from offpeak import wire
 from offpeak.pricing import Bill
 from storage.models import Batch, File
 
@@ -201,7 +202,8 @@ class CreateBatch(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     input_file_id: str
-    endpoint: str
+    # The enum documents the served endpoints; other values get the service's own 400.
+    endpoint: str = Field(json_schema_extra={"enum": list(wire.BATCH_ENDPOINTS)})
     completion_window: str
     metadata: dict[str, Any] | None = None
     output_expires_after: dict[str, Any] | None = None
@@ -267,6 +269,9 @@ def _schedule_fields(batch: Batch) -> dict[str, Any]:
 class PauseRequest(BaseModel):
     """``pool``: a worker pool's name (``OFFPEAK_SCHEDULER__POOL``) or ``*`` for every pool."""
 
+    # Strict: ``"hard": 0`` or ``"hard": "yes"`` is a 400, not a quiet guess.
+    model_config = ConfigDict(strict=True)
+
     pool: str = "*"
     #: Also stop urgent batches (their windows may then be missed).
     hard: bool = False
@@ -274,6 +279,8 @@ class PauseRequest(BaseModel):
 
 
 class ResumeRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     pool: str = "*"
 
 

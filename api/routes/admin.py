@@ -8,18 +8,25 @@ from __future__ import annotations
 import hmac
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header
+from fastapi import APIRouter, Depends
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.deps import SessionDep, SettingsDep
-from api.errors import Unauthorized
+from api.errors import Unauthorized, error_responses
 from api.schemas import PauseRequest, PauseSwitch, ResumeRequest, SchedulerView
 from api.services import admin as admin_service
 
 router = APIRouter(prefix="/v1/admin/scheduler", tags=["admin"])
 
 
+admin_key_scheme = HTTPBearer(
+    auto_error=False, scheme_name="AdminKey", description="OFFPEAK_ADMIN_API_KEY."
+)
+
+
 def require_admin(
-    settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(admin_key_scheme)],
 ) -> None:
     """401 unless ``Authorization: Bearer <OFFPEAK_ADMIN_API_KEY>``; always 401 when unset."""
     expected = settings.admin_api_key
@@ -27,26 +34,30 @@ def require_admin(
         raise Unauthorized(
             "The admin API is off: set OFFPEAK_ADMIN_API_KEY (or use `offpeak pause`)."
         )
-    scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer":
-        given = ""
-    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
+    given = credentials.credentials.strip() if credentials else ""
+    if not hmac.compare_digest(given.encode(), expected.encode()):
         raise Unauthorized("Incorrect admin API key provided.")
 
 
 AdminDep = Depends(require_admin)
 
 
-@router.post("/pause", response_model=PauseSwitch, dependencies=[AdminDep])
+#: Bodies are JSON (422 when not), under the JSON body limit (413).
+_WITH_BODY = error_responses(400, 401, 413, 422)
+
+
+@router.post("/pause", response_model=PauseSwitch, dependencies=[AdminDep], responses=_WITH_BODY)
 def pause(body: PauseRequest, session: SessionDep) -> PauseSwitch:
     return admin_service.pause(session, body.pool, hard=body.hard, reason=body.reason)
 
 
-@router.post("/resume", response_model=PauseSwitch, dependencies=[AdminDep])
+@router.post("/resume", response_model=PauseSwitch, dependencies=[AdminDep], responses=_WITH_BODY)
 def resume(body: ResumeRequest, session: SessionDep) -> PauseSwitch:
     return admin_service.resume(session, body.pool)
 
 
-@router.get("", response_model=SchedulerView, dependencies=[AdminDep])
+@router.get(
+    "", response_model=SchedulerView, dependencies=[AdminDep], responses=error_responses(401)
+)
 def scheduler_view(session: SessionDep) -> SchedulerView:
     return admin_service.view(session)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Query
 
 from api.deps import CurrentTenant, SessionDep, SettingsDep
+from api.errors import error_responses
 from api.schemas import BatchList, BatchObject, CreateBatch
 from api.services import batches as batches_service
 from api.services import usage as usage_service
@@ -12,7 +15,7 @@ from api.services import usage as usage_service
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
 
-@router.post("", response_model=BatchObject)
+@router.post("", response_model=BatchObject, responses=error_responses(400, 401, 404, 413, 422))
 def create_batch(
     body: CreateBatch, session: SessionDep, settings: SettingsDep, tenant: CurrentTenant
 ) -> BatchObject:
@@ -20,13 +23,14 @@ def create_batch(
     return BatchObject.of(batch, usage_service.bill_of(session, settings, batch))
 
 
-@router.get("", response_model=BatchList)
+@router.get("", response_model=BatchList, responses=error_responses(400, 401))
 def list_batches(
     session: SessionDep,
     settings: SettingsDep,
     tenant: CurrentTenant,
     after: str | None = None,
-    limit: int = 20,
+    # Documented, not enforced here: the service refuses other values with its own message.
+    limit: Annotated[int, Query(json_schema_extra={"minimum": 1, "maximum": 100})] = 20,
 ) -> BatchList:
     rows, has_more = batches_service.page(session, tenant.id, after=after, limit=limit)
     bills = usage_service.bills(session, settings, rows)
@@ -39,7 +43,7 @@ def list_batches(
     )
 
 
-@router.get("/{batch_id}", response_model=BatchObject)
+@router.get("/{batch_id}", response_model=BatchObject, responses=error_responses(400, 401, 404))
 def retrieve_batch(
     session: SessionDep, settings: SettingsDep, tenant: CurrentTenant, batch_id: str
 ) -> BatchObject:
@@ -47,7 +51,11 @@ def retrieve_batch(
     return BatchObject.of(batch, usage_service.bill_of(session, settings, batch))
 
 
-@router.post("/{batch_id}/cancel", response_model=BatchObject)
+@router.post(
+    "/{batch_id}/cancel",
+    response_model=BatchObject,
+    responses=error_responses(400, 401, 404, 409, 413),
+)
 def cancel_batch(
     session: SessionDep, settings: SettingsDep, tenant: CurrentTenant, batch_id: str
 ) -> BatchObject:

@@ -5,13 +5,13 @@ endpoint takes the tenant's key like every ``/v1`` call."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 
 from api.deps import CurrentTenant, SessionDep, SettingsDep
-from api.errors import BadRequest, NotFound
+from api.errors import BadRequest, NotFound, error_responses
 from api.services import dashboard as dashboard_service
 
 router = APIRouter(tags=["dashboard"])
@@ -36,9 +36,12 @@ def asset(name: str) -> FileResponse:
     return FileResponse(STATIC / name, media_type=ASSETS[name])
 
 
-@router.get("/v1/dashboard")
+@router.get("/v1/dashboard", responses=error_responses(400, 401))
 def dashboard_data(
-    session: SessionDep, settings: SettingsDep, tenant: CurrentTenant, hours: float = 3.0
+    session: SessionDep,
+    settings: SettingsDep,
+    tenant: CurrentTenant,
+    hours: Annotated[float, Query(json_schema_extra={"exclusiveMinimum": 0})] = 3.0,
 ) -> dict[str, Any]:
     """The page's data: latest batches with figures, per-model throughput, chart series."""
     if not 0 < hours <= settings.load_history_hours:

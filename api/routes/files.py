@@ -8,21 +8,21 @@ from fastapi import APIRouter, Form, Query, UploadFile
 from fastapi.responses import StreamingResponse
 
 from api.deps import BlobsDep, CurrentTenant, SessionDep, SettingsDep
-from api.errors import BadRequest
+from api.errors import BadRequest, error_responses
 from api.schemas import FileDeleted, FileList, FileObject
 from api.services import files as files_service
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
 
-@router.post("", response_model=FileObject)
+@router.post("", response_model=FileObject, responses=error_responses(400, 401, 413))
 def upload_file(
     session: SessionDep,
     blobs: BlobsDep,
     settings: SettingsDep,
     tenant: CurrentTenant,
     file: UploadFile,
-    purpose: Annotated[str, Form()],
+    purpose: Annotated[str, Form(json_schema_extra={"enum": list(files_service.UPLOAD_PURPOSES)})],
     expires_after_anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
     expires_after_seconds: Annotated[int | None, Form(alias="expires_after[seconds]")] = None,
 ) -> FileObject:
@@ -43,13 +43,15 @@ def upload_file(
     return FileObject.of(stored)
 
 
-@router.get("", response_model=FileList)
+@router.get("", response_model=FileList, responses=error_responses(400, 401))
 def list_files(
     session: SessionDep,
     tenant: CurrentTenant,
     purpose: str | None = None,
-    limit: Annotated[int, Query()] = 10_000,
-    order: str = "desc",
+    # Bounds documented, not enforced here: the service refuses values outside them with its
+    # own messages (json_schema_extra only changes the OpenAPI document).
+    limit: Annotated[int, Query(json_schema_extra={"minimum": 1, "maximum": 10_000})] = 10_000,
+    order: Annotated[str, Query(json_schema_extra={"enum": ["asc", "desc"]})] = "desc",
     after: str | None = None,
 ) -> FileList:
     rows, has_more = files_service.page(
@@ -64,12 +66,24 @@ def list_files(
     )
 
 
-@router.get("/{file_id}", response_model=FileObject)
+@router.get("/{file_id}", response_model=FileObject, responses=error_responses(400, 401, 404))
 def retrieve_file(session: SessionDep, tenant: CurrentTenant, file_id: str) -> FileObject:
     return FileObject.of(files_service.get(session, tenant.id, file_id))
 
 
-@router.get("/{file_id}/content")
+@router.get(
+    "/{file_id}/content",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "The file's bytes (JSONL for batch input, output and error files).",
+            "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+            },
+        },
+        **error_responses(400, 401, 404),
+    },
+)
 def file_content(
     session: SessionDep, blobs: BlobsDep, tenant: CurrentTenant, file_id: str
 ) -> StreamingResponse:
@@ -77,7 +91,7 @@ def file_content(
     return StreamingResponse(chunks, media_type="application/octet-stream")
 
 
-@router.delete("/{file_id}", response_model=FileDeleted)
+@router.delete("/{file_id}", response_model=FileDeleted, responses=error_responses(400, 401, 404))
 def delete_file(
     session: SessionDep, blobs: BlobsDep, tenant: CurrentTenant, file_id: str
 ) -> FileDeleted:

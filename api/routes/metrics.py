@@ -12,6 +12,15 @@ from api.services import metrics as metrics_service
 router = APIRouter(tags=["metrics"])
 
 
-@router.get("/metrics", response_class=Response)
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "Prometheus' text exposition format.",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
+    },
+)
 def metrics(settings: SettingsDep) -> Response:
     return Response(metrics_service.exposition(settings), media_type=CONTENT_TYPE_LATEST)

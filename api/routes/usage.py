@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from api.deps import CurrentTenant, SessionDep
+from api.errors import error_responses
 from api.schemas import UsageReport
 from api.services import usage as usage_service
 from api.services.usage import GroupBy
@@ -12,7 +13,7 @@ from api.services.usage import GroupBy
 router = APIRouter(tags=["usage"])
 
 
-@router.get("/v1/usage", response_model=UsageReport)
+@router.get("/v1/usage", response_model=UsageReport, responses=error_responses(400, 401))
 def get_usage(
     session: SessionDep,
     tenant: CurrentTenant,
