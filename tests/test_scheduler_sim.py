@@ -29,7 +29,6 @@ def test_default_day_keeps_every_window_and_fills_the_valleys() -> None:
     assert report.busy_above_high_seconds < 5.0
     assert report.urgent_batches == 0 and report.expired == 0
     assert report.cached_tokens > 0  # each batch's lines share a system prompt
-    assert report.wall_seconds < 60
 
 
 def test_under_constant_high_load_only_urgent_batches_run_and_still_make_it() -> None:
