@@ -6,6 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+# The one error body of the API (a second model of the same name would appear twice, under
+# module-qualified names, in the OpenAPI document).
+from api.schemas import ErrorDetail, ErrorResponse  # noqa: F401  (re-exported)
+
 
 class WorkerHealth(BaseModel):
     """A worker whose heartbeat is fresh (at most ``worker_alive_seconds`` old)."""
@@ -60,16 +64,3 @@ class Ready(BaseModel):
     status: Literal["ready"]
     schema_revision: str
     models_without_engine_worker: list[str]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error body: ``{"error": {message, type, param, code}}``."""
-
-    error: ErrorDetail

@@ -465,3 +465,36 @@ def test_cancel_does_not_wait_for_a_transaction_inserting_the_batch_rows(
         cancel.join()
         assert not blocked, "the cancel waited for the inserting transaction"
         assert answers[0].status == "cancelling"
+
+
+# --- The OpenAPI document -------------------------------------------------------------------------
+
+
+def test_openapi_declares_what_each_route_answers(http: TestClient) -> None:
+    document = http.get("/openapi.json").json()
+    paths = document["paths"]
+
+    def statuses(path: str, method: str) -> set[str]:
+        return set(paths[path][method]["responses"])
+
+    assert statuses("/v1/batches", "post") == {"200", "400", "401", "404", "413", "422"}
+    assert statuses("/v1/batches/{batch_id}/cancel", "post") == {
+        "200", "400", "401", "404", "409", "413"
+    }  # fmt: skip
+    assert statuses("/v1/files", "post") == {"200", "400", "401", "413"}
+    assert statuses("/v1/files/{file_id}", "get") == {"200", "400", "401", "404"}
+    assert statuses("/v1/models", "get") == {"200", "401"}
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, operations in paths.items():
+        for method, operation in operations.items():
+            for status, response in operation["responses"].items():
+                if status.startswith(("4", "5")):
+                    assert response["content"]["application/json"]["schema"] == error, (
+                        method, path, status
+                    )  # fmt: skip
+            if path.startswith("/v1/"):
+                assert "401" in operation["responses"], (method, path)
+                assert operation["security"] in ([{"ApiKey": []}], [{"AdminKey": []}])
+    content = paths["/v1/files/{file_id}/content"]["get"]["responses"]["200"]["content"]
+    assert set(content) == {"application/octet-stream"}
+    assert "HTTPValidationError" not in str(document)  # FastAPI's 422 body is never sent
