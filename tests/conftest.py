@@ -74,7 +74,9 @@ def database_url(run_id: str) -> Iterator[str]:
 def broker_url(run_id: str) -> Iterator[str]:
     yield REDIS_URL
     client = redis.Redis.from_url(REDIS_URL)
-    for key in client.scan_iter(f"{run_id}*"):
+    # The session's queues and kombu's exchange bindings (``_kombu.binding.<queue prefix>...``):
+    # every queue prefix of the session starts with the run id.
+    for key in client.scan_iter(f"*{run_id}*"):
         client.delete(key)
 
 
