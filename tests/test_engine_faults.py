@@ -52,9 +52,12 @@ class DyingEngine(InstantEngine):
     once the engine-core process is gone) when ``dies(step_number, queued)`` says so, and from
     then on every call fails, like a dead engine."""
 
-    def __init__(self, dies: Callable[[int, dict[str, EngineRequest]], bool]) -> None:
+    def __init__(
+        self, dies: Callable[[int, dict[str, EngineRequest]], bool], delay: float = 0.0
+    ) -> None:
         super().__init__(MODEL)
         self.dies = dies
+        self.delay = delay
         self.steps = 0
         self.dead = False
 
@@ -72,6 +75,7 @@ class DyingEngine(InstantEngine):
 
     def step(self) -> list[EngineResult]:
         self._check()
+        time.sleep(self.delay)
         self.steps += 1
         if self.dies(self.steps, self._queued):
             self.dead = True
@@ -379,7 +383,8 @@ def test_a_slow_load_signal_does_not_stall_the_engine(
     policy.prometheus.timeout_seconds = 30.0
     settings = settings.model_copy(update={"scheduler": policy})
     make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(400)])
-    engine = DyingEngine(lambda _step, _queued: False)
+    # 5 ms steps: the 400 lines outlast the scrape that hangs (a step a little like a GPU's).
+    engine = DyingEngine(lambda _step, _queued: False, delay=0.005)
     worker = threading.Thread(target=Runner(settings, engine, "w-slow-signal").drain)
     try:
         worker.start()
@@ -442,7 +447,8 @@ def test_the_drain_task_rebuilds_a_failed_engine(
     monkeypatch.setattr(tasks, "_runners", {})
     monkeypatch.setattr(tasks, "_engine_failures", {})
     tasks.drain_model(MODEL)  # the first engine dies at its third step
-    assert len(loads) == 2 and sent == [MODEL], "a new engine was loaded and a drain sent"
+    # One drain for a second worker (lines were pending as it started), one after the rebuild.
+    assert len(loads) == 2 and sent == [MODEL, MODEL], "a new engine was loaded, a drain sent"
     assert tasks._runners[MODEL].engine is loads[1]
     tasks.drain_model(MODEL)
     assert {r.status for r in rows(settings, batch_id)} == {"succeeded"}
@@ -469,11 +475,18 @@ def test_release_and_claim_count_attempts_of_crashes_only(
                 owner="w",
                 lease_until=time.time() + 60,
                 at=time.time(),
+                batch_ids=[batch_id],
             )
             requests_repo.release(session, "w", [row.id], count_attempt=True)
     with session_scope(url) as session:
         [row] = requests_repo.claim(
-            session, model=MODEL, limit=1, owner="w", lease_until=time.time() + 60, at=time.time()
+            session,
+            model=MODEL,
+            limit=1,
+            owner="w",
+            lease_until=time.time() + 60,
+            at=time.time(),
+            batch_ids=[batch_id],
         )
         assert row.attempts == 3  # two crashes, and this run
         requests_repo.release(session, "w", [row.id], count_attempt=False)

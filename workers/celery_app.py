@@ -20,6 +20,7 @@ app.conf.beat_schedule = {
 }
 app.conf.beat_schedule_filename = str(get_settings().data_dir.resolve() / "celerybeat-schedule")
 
+import workers.liveness  # noqa: E402,F401  (registers and heartbeats the worker when ready)
 import workers.tasks  # noqa: E402,F401  (registers the tasks on ``app``)
 
 log = logging.getLogger(__name__)

@@ -540,13 +540,16 @@ class Runner:
         verdict on the request itself): the line that was being added is a suspect too.
         """
         feed = self.slots + max(8, self.slots // 4)
-        suspect_running = any(_suspect(h) for h in self._in_flight.values())
+        # Looked up only when a suspect is next in line: suspects are rare, steps are not.
+        suspect_running: bool | None = None
         waiting: list[_Held] = []
         while self._staged and len(self._in_flight) < feed:
             if not self._admissible(self._staged[0].row.batch_id):
                 break
             held = self._staged.popleft()
             if _suspect(held):
+                if suspect_running is None:
+                    suspect_running = any(_suspect(h) for h in self._in_flight.values())
                 if suspect_running:
                     waiting.append(held)
                     continue

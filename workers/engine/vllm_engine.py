@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -70,6 +71,13 @@ class VllmEngine:
         # get one only if the tokenizer would add it and the template did not already write it.
         probe = self._tokenizer.encode("a")
         self._adds_bos = self._bos_id is not None and bool(probe) and probe[0] == self._bos_id
+        self._closed = threading.Event()
+        threading.Thread(
+            target=_watch_engine_core,
+            args=(llm.llm_engine, self._closed),
+            daemon=True,
+            name=f"engine-core-watch-{model_name}",
+        ).start()
 
     @classmethod
     def load(cls, name: str, config: ModelConfig, model_path: Path) -> VllmEngine:
@@ -162,6 +170,8 @@ class VllmEngine:
 
     def step(self) -> list[EngineResult]:
         """Run one engine step; return the requests that finished in it (all ``n`` completions)."""
+        if _engine_core_dead(self._engine):
+            raise RuntimeError(f"the engine core of {self.model_name} is dead")
         # Without work, LLMEngine.step would block waiting for output from the engine core.
         if not self._pending or not self._engine.has_unfinished_requests():
             return []
@@ -202,6 +212,7 @@ class VllmEngine:
         engine, self._llm_engine, self._llm = self._llm_engine, None, None
         if engine is None:
             return
+        self._closed.set()
         logger.info("shutting down model %s", self.model_name)
         self._pending.clear()
         # LLMEngine has no shutdown of its own; its client stops the engine-core process, which
@@ -314,6 +325,32 @@ def engine_kwargs(
     if not kwargs["enable_chunked_prefill"] and budget and budget < kwargs["max_model_len"]:
         kwargs["max_num_batched_tokens"] = kwargs["max_model_len"]
     return kwargs
+
+
+def _engine_core_dead(engine: LLMEngine) -> bool:
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    return bool(getattr(resources, "engine_dead", False))
+
+
+def _watch_engine_core(engine: LLMEngine, closed: threading.Event) -> None:
+    """Wake a ``step`` blocked on a dead engine core.
+
+    vLLM 0.32's ``SyncMPClient`` notices a dead engine-core process (its monitor thread sets
+    ``resources.engine_dead`` and shuts the client down), but its output thread then exits
+    without a word, so ``LLMEngine.step`` waits on ``outputs_queue.get()`` forever (seen: a
+    SIGKILLed EngineCore left the worker hung). Putting ``EngineDeadError`` into that queue
+    makes the blocked ``step`` raise it, as vLLM's asyncio client does.
+    """
+    client = getattr(engine, "engine_core", None)
+    outputs = getattr(client, "outputs_queue", None)
+    if outputs is None:
+        return  # in-process engine core: its failures raise in the caller's thread
+    while not closed.wait(0.5):
+        if _engine_core_dead(engine):
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            outputs.put_nowait(EngineDeadError())
+            return
 
 
 def to_sampling_params(spec: SamplingSpec) -> SamplingParams:

@@ -378,7 +378,7 @@ class BackgroundMonitor:
         monitor: LoadMonitor,
         poll_seconds: float,
         stale_after: float,
-        idle_after: float = 30.0,
+        idle_after: float = 5.0,
     ) -> None:
         self.monitor = monitor
         self.poll_seconds = poll_seconds
