@@ -1,8 +1,11 @@
-"""Identifiers in OpenAI's shapes (``file-…``, ``batch_…``, ``batch_req_…``) and clocks."""
+"""Identifiers in OpenAI's shapes (``file-…``, ``batch_…``, ``batch_req_…``), worker ids and
+clocks."""
 
 from __future__ import annotations
 
+import os
 import secrets
+import socket
 import time
 
 
@@ -18,3 +21,16 @@ def new_id(prefix: str) -> str:
 def now() -> int:
     """Unix seconds, as the API shows times."""
     return int(time.time())
+
+
+_worker_ids: dict[int, str] = {}
+
+
+def worker_id() -> str:
+    """``host:pid:random``, fixed for this process: readable in the leases a worker writes and
+    in ``/healthz``, and unique per start (a container restarted with the same hostname and PID
+    1 must not adopt its dead predecessor's leases). A forked child gets an id of its own."""
+    pid = os.getpid()
+    if pid not in _worker_ids:
+        _worker_ids[pid] = f"{socket.gethostname()}:{pid}:{secrets.token_hex(3)}"
+    return _worker_ids[pid]

@@ -29,7 +29,7 @@ from workers.engine.base import EngineFault, EngineRequest, EngineResult
 from workers.engine.instant import InstantEngine
 from workers.finalize import finalize
 from workers.runner import Runner, worker_id
-from workers.scheduler.store import DbStore, Flush, Written
+from workers.scheduler.store import DbStore, WriteBack, WriteBackReport
 
 #: A model of its own: lines this module leaves pending never reach test_runner.py's runners.
 MODEL = "faults-model"
@@ -243,8 +243,8 @@ def test_renewal_renews_only_the_lines_held(
     held, orphan = [r.id for r in claimed[:3]], claimed[3].id
     store = DbStore(url)
     assert store.renew("w-renew", time.time() + 600, held) == 3
-    written = store.flush(
-        Flush(
+    written = store.write_back(
+        WriteBack(
             owner="w-renew",
             model=MODEL,
             device="cpu",
@@ -258,7 +258,7 @@ def test_renewal_renews_only_the_lines_held(
             held_ids=held,
         )
     )
-    assert isinstance(written, Written) and written.lost == []
+    assert isinstance(written, WriteBackReport) and written.lost == []
     leases = {r.id: r.lease_expires_at for r in rows(settings, batch_id)}
     assert all(leases[i] > time.time() + 500 for i in held)
     assert leases[orphan] < time.time() + 10, "a line not held was renewed"
@@ -278,13 +278,13 @@ def test_worker_ids_are_unique_per_start() -> None:
     os.waitpid(child, 0)
     assert os.read(read, 200).decode() != mine
     # A new process with the same pid and host (simulated: forget this process's id).
-    from workers import runner as runner_module
+    from offpeak import ids
 
-    runner_module._worker_ids.clear()
+    ids._worker_ids.clear()
     try:
         assert worker_id() != mine
     finally:
-        runner_module._worker_ids[os.getpid()] = mine
+        ids._worker_ids[os.getpid()] = mine
 
 
 def test_transient_database_errors_are_told_from_wrong_statements() -> None:
@@ -305,15 +305,15 @@ def test_a_raw_psycopg_outage_in_write_back_keeps_the_results(
     tenant, sdk = tenant_sdk
     ids = [f"r{i}" for i in range(10)]
     batch_id = make(settings, tenant, [line(i, model=MODEL) for i in ids])
-    real, outages = DbStore.flush, [3]
+    real, outages = DbStore.write_back, [3]
 
-    def flaky(self: DbStore, flush: Flush) -> Written:
+    def flaky(self: DbStore, flush: WriteBack) -> WriteBackReport:
         if flush.results and outages[0] > 0:
             outages[0] -= 1
             raise psycopg.OperationalError("the database system is shutting down")
         return real(self, flush)
 
-    monkeypatch.setattr(DbStore, "flush", flaky)
+    monkeypatch.setattr(DbStore, "write_back", flaky)
     stats = Runner(settings, InstantEngine(MODEL), "w-outage").drain()
     assert stats.outcome == "drained" and outages == [0]
     finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
@@ -329,10 +329,10 @@ def test_a_wrong_write_is_not_retried_forever(
     tenant, _ = tenant_sdk
     batch_id = make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(5)])
 
-    def wrong(self: DbStore, flush: Flush) -> Written:
+    def wrong(self: DbStore, flush: WriteBack) -> WriteBackReport:
         raise IntegrityError("UPDATE requests", {}, Exception("violates check constraint"))
 
-    monkeypatch.setattr(DbStore, "flush", wrong)
+    monkeypatch.setattr(DbStore, "write_back", wrong)
     with pytest.raises(IntegrityError):
         Runner(settings, InstantEngine(MODEL), "w-wrong").drain()
     monkeypatch.undo()

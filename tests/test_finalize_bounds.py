@@ -369,13 +369,14 @@ def _half_run_cancelled_batch(settings: Settings) -> str:
             session,
             "w1",
             [
-                {
-                    "id": row.id,
-                    "status": "succeeded",
-                    "status_code": 200,
-                    "result": json.dumps({"custom_id": row.custom_id, "error": None}),
-                    "finished_at": at,
-                }
+                requests_repo.FinishedLine(
+                    id=row.id,
+                    batch_id=row.batch_id,
+                    status="succeeded",
+                    finished_at=at,
+                    status_code=200,
+                    result=json.dumps({"custom_id": row.custom_id, "error": None}),
+                )
                 for row in rows
             ],
         )

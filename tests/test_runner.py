@@ -17,6 +17,7 @@ from storage.blobs import get_blob_store
 from storage.db import session_scope
 from storage.models import EngineChunk, EngineChunkBatch, File, RequestLine
 from storage.repositories import requests as requests_repo
+from storage.repositories.requests import FinishedLine
 from tests.conftest import new_key
 from tests.helpers import check_ran_batch, line, validate
 from workers.engine.base import EngineResult
@@ -207,7 +208,7 @@ def test_lease_takeover_runs_each_line_once(
         requests_repo.write_results(
             session,
             "dead",
-            [{"id": r.id, "status": "failed", "status_code": 500, "result": "{}"} for r in dead],
+            [FinishedLine(r.id, r.batch_id, "failed", time.time(), 500, "{}") for r in dead],
         )
     finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
     batch = sdk.batches.retrieve(batch_id)

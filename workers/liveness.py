@@ -125,7 +125,7 @@ _heartbeat: WorkerHeartbeat | None = None
 @worker_ready.connect(weak=False)
 def _on_worker_ready(sender: object = None, **_kwargs: object) -> None:
     global _heartbeat
-    from workers.runner import worker_id  # the id the runner writes into its leases
+    from offpeak.ids import worker_id  # the id the runner writes into its leases
 
     settings = get_settings()
     app = getattr(sender, "app", None)

@@ -8,6 +8,7 @@ import os
 import time
 
 from offpeak import queues
+from offpeak.ids import worker_id
 from offpeak.settings import Settings, get_settings
 from storage.blobs import get_blob_store
 from storage.db import session_scope
@@ -19,7 +20,7 @@ from workers.celery_app import app
 from workers.engine import registry
 from workers.engine.base import EngineFault
 from workers.finalize import finalize
-from workers.runner import Runner, worker_id
+from workers.runner import Runner
 from workers.scheduler.slack import sweep_estimates
 from workers.validation import run_validation
 

@@ -36,6 +36,33 @@ _INTAKE_DEFAULTS = {
 
 
 @dataclass(frozen=True)
+class TokenCounts:
+    """Tokens of one finished request line: prompt (of them ``cached`` served from the prefix
+    cache) and completion, summed over its ``n`` completions."""
+
+    prompt: int = 0
+    cached: int = 0
+    completion: int = 0
+
+
+@dataclass(frozen=True)
+class FinishedLine:
+    """A request line's end, as ``write_results`` stores it.
+
+    ``status``: ``succeeded`` / ``failed`` (``status_code`` and ``result``: the output or error
+    line) or ``cancelled`` / ``expired`` (never ran: no result). ``finished_at``: unix seconds.
+    """
+
+    id: int
+    batch_id: str
+    status: str
+    finished_at: float
+    status_code: int | None = None
+    result: str | None = None
+    tokens: TokenCounts = TokenCounts()
+
+
+@dataclass(frozen=True)
 class ClaimedRequest:
     id: int
     batch_id: str
@@ -166,11 +193,9 @@ def has_pending(session: Session, model: str) -> bool:
     return bool(session.scalar(select(pending.exists())))
 
 
-def write_results(session: Session, owner: str, results: Sequence[dict[str, Any]]) -> None:
-    """Store finished rows. Each dict: ``id``, ``status`` (succeeded / failed / cancelled /
-    expired), ``status_code``, ``result`` (the output or error line), ``prompt_tokens``,
-    ``cached_tokens``, ``completion_tokens``, ``finished_at``. Only rows this owner still holds
-    are written, so a worker whose lease was taken over cannot write a second result.
+def write_results(session: Session, owner: str, results: Sequence[FinishedLine]) -> None:
+    """Store finished rows. Only rows this owner still holds are written, so a worker whose
+    lease was taken over cannot write a second result.
 
     PostgreSQL: one ``UPDATE … FROM unnest(arrays)`` whatever the number of rows, whose
     ``RETURNING`` (the rows actually written) advances the batches' counters in the same
@@ -203,14 +228,14 @@ def write_results(session: Session, owner: str, results: Sequence[dict[str, Any]
     )
     params = [
         {
-            "row_id": r["id"],
-            "new_status": r["status"],
-            "status_code": r.get("status_code"),
-            "result": r.get("result"),
-            "prompt_tokens": r.get("prompt_tokens", 0),
-            "cached_tokens": r.get("cached_tokens", 0),
-            "completion_tokens": r.get("completion_tokens", 0),
-            "finished_at": r.get("finished_at"),
+            "row_id": r.id,
+            "new_status": r.status,
+            "status_code": r.status_code,
+            "result": r.result,
+            "prompt_tokens": r.tokens.prompt,
+            "cached_tokens": r.tokens.cached,
+            "completion_tokens": r.tokens.completion,
+            "finished_at": r.finished_at,
         }
         for r in results
     ]
@@ -235,16 +260,16 @@ _WRITE_RESULTS = """
 """
 
 
-def _write_results_unnest(session: Session, owner: str, results: Sequence[dict[str, Any]]) -> None:
+def _write_results_unnest(session: Session, owner: str, results: Sequence[FinishedLine]) -> None:
     columns = (
-        [r["id"] for r in results],
-        [r["status"] for r in results],
-        [r.get("status_code") for r in results],
-        [r.get("result") for r in results],
-        [r.get("prompt_tokens", 0) for r in results],
-        [r.get("cached_tokens", 0) for r in results],
-        [r.get("completion_tokens", 0) for r in results],
-        [r.get("finished_at") for r in results],
+        [r.id for r in results],
+        [r.status for r in results],
+        [r.status_code for r in results],
+        [r.result for r in results],
+        [r.tokens.prompt for r in results],
+        [r.tokens.cached for r in results],
+        [r.tokens.completion for r in results],
+        [r.finished_at for r in results],
     )
     raw = _driver_connection(session)
     with raw.cursor() as cursor:

@@ -4,7 +4,7 @@
   schedule, the admin pause switch, or always idle), one number per reading.
 - ``hysteresis``: low- and high-water marks, so batch work does not flap on and off.
 - ``slack``: each batch's estimated completion time and slack; urgent batches run regardless.
-- ``dispatch``: claim sizing from the engine's room and prefix-grouped ordering of a chunk.
+- ``chunking``: claim sizing from the engine's room and prefix-grouped ordering of a chunk.
 - ``store``: where request lines come from and results go (PostgreSQL, or memory in the
   simulation); ``clock``: real or virtual time.
 - ``simulation``: the seed's cost model on a virtual clock, driving the same ``Runner``.

@@ -38,7 +38,7 @@ from workers.engine.base import Completion, EngineRequest, EngineResult
 from workers.planner import StepModel
 from workers.scheduler.clock import VirtualClock
 from workers.scheduler.signals import LoadMonitor, PauseState
-from workers.scheduler.store import Flush, Written
+from workers.scheduler.store import WriteBack, WriteBackReport
 
 MODEL = "simulated-model"
 #: 1 January 2026, 00:00 UTC: the simulated day starts at midnight.
@@ -306,16 +306,16 @@ class MemoryStore:
                 break
         return claimed
 
-    def flush(self, flush: Flush) -> Written:
+    def write_back(self, flush: WriteBack) -> WriteBackReport:
         for result in flush.results:
-            row = self.rows[result["id"]]
+            row = self.rows[result.id]
             if row.status != "running":
                 continue
-            row.status = result["status"]
+            row.status = result.status
             batch = self.batches[row.batch_id]
             if row.status == "succeeded":
                 batch.completed += 1
-                batch.output_tokens += result["completion_tokens"]
+                batch.output_tokens += result.tokens.completion
             else:
                 batch.failed += 1
             row.line_json = ""  # done: free the line
@@ -327,7 +327,7 @@ class MemoryStore:
             self._sums[1] += tokens
             self._sums[2] += flush.busy_seconds
         self._sweep(flush.at)
-        return Written(
+        return WriteBackReport(
             {
                 b: (self.batches[b].status, self.batches[b].expires_at)
                 for b in flush.batch_ids

@@ -17,16 +17,16 @@ from storage.repositories import chunks as chunks_repo
 from storage.repositories import requests as requests_repo
 from storage.repositories import scheduler as scheduler_repo
 from storage.repositories.chunks import BatchTokens
-from storage.repositories.requests import ClaimedRequest
+from storage.repositories.requests import ClaimedRequest, FinishedLine
 from storage.repositories.scheduler import BatchBacklog, EngineHistory
 from workers.scheduler.signals import PauseState
 
 
 @dataclass
-class Flush:
-    """One write-back: finished results, the engine time they took, and a lease heartbeat.
+class WriteBack:
+    """One write-back: finished lines, the engine time they took, and a lease heartbeat.
 
-    ``results`` dicts are ``requests_repo.write_results``'s. ``per_batch`` and the period
+    ``results`` are ``requests_repo.write_results``'s. ``per_batch`` and the period
     (``started_at`` to ``at``, ``busy_seconds`` of engine stepping) make one engine chunk when
     any request finished. ``batch_ids``: batches whose status the runner wants back.
     """
@@ -36,20 +36,20 @@ class Flush:
     device: str
     at: float
     lease_until: float
-    results: Sequence[dict[str, Any]]
+    results: Sequence[FinishedLine]
     per_batch: Mapping[str, BatchTokens]
     started_at: float
     busy_seconds: float
     batch_ids: Collection[str] = field(default_factory=set)
     #: Lines the runner holds (queued or running): their leases are renewed, and those it no
-    #: longer holds come back in ``Written.lost``.
+    #: longer holds come back in ``WriteBackReport.lost``.
     held_ids: Collection[int] = field(default_factory=set)
 
 
 @dataclass
-class Written:
-    """What a flush found: ``batch_id → (status, expires_at)`` of ``Flush.batch_ids``, and the
-    held lines whose lease another worker took over."""
+class WriteBackReport:
+    """What a write-back found: ``batch_id → (status, expires_at)`` of ``WriteBack.batch_ids``,
+    and the held lines whose lease another worker took over."""
 
     statuses: dict[str, tuple[str, float]]
     lost: list[int] = field(default_factory=list)
@@ -69,8 +69,8 @@ class WorkStore(Protocol):
         ``owner`` until ``lease_until``; only of ``batch_ids`` when given."""
         ...
 
-    def flush(self, flush: Flush) -> Written:
-        """Store ``flush`` in one transaction and report what it found."""
+    def write_back(self, write: WriteBack) -> WriteBackReport:
+        """Store ``write`` in one transaction and report what it found."""
         ...
 
     def release(
@@ -144,33 +144,33 @@ class DbStore:
                 batch_ids=batch_ids,
             )
 
-    def flush(self, flush: Flush) -> Written:
+    def write_back(self, write: WriteBack) -> WriteBackReport:
         with session_scope(self.url) as session:
-            requests_repo.write_results(session, flush.owner, flush.results)
-            if flush.per_batch:
+            requests_repo.write_results(session, write.owner, write.results)
+            if write.per_batch:
                 chunks_repo.record(
                     session,
-                    worker_id=flush.owner,
-                    model=flush.model,
-                    device=flush.device,
-                    started_at=flush.started_at,
-                    ended_at=flush.at,
-                    busy_seconds=flush.busy_seconds,
-                    per_batch=flush.per_batch,
+                    worker_id=write.owner,
+                    model=write.model,
+                    device=write.device,
+                    started_at=write.started_at,
+                    ended_at=write.at,
+                    busy_seconds=write.busy_seconds,
+                    per_batch=write.per_batch,
                 )
-            if flush.results:
-                batches_repo.refresh_counts(session, {r["batch_id"] for r in flush.results})
+            if write.results:
+                batches_repo.refresh_counts(session, {r.batch_id for r in write.results})
             renewed = requests_repo.renew_leases(
-                session, flush.owner, flush.lease_until, flush.held_ids
+                session, write.owner, write.lease_until, write.held_ids
             )
             lost = (
-                scheduler_repo.not_held(session, flush.owner, flush.held_ids)
-                if renewed < len(flush.held_ids)
+                scheduler_repo.not_held(session, write.owner, write.held_ids)
+                if renewed < len(write.held_ids)
                 else []
             )
-            scheduler_repo.heartbeat(session, flush.owner, flush.at)
-            states = batches_repo.statuses(session, flush.batch_ids)
-        return Written(
+            scheduler_repo.heartbeat(session, write.owner, write.at)
+            states = batches_repo.statuses(session, write.batch_ids)
+        return WriteBackReport(
             {b: (status, float(expires_at)) for b, (status, expires_at) in states.items()}, lost
         )
 

@@ -1,23 +1,24 @@
-"""The runner: the scheduler's loop around one model's engine.
+"""The runner's loop: load, deadlines, claims, engine steps and write-backs for one model.
 
-Each turn of the loop it reads the load (``workers.scheduler.signals``, every
-``load_poll_seconds``) into the hysteresis gate, refreshes the batches' slack
-(``workers.scheduler.slack``, every ``estimate_seconds``), tops the engine up and steps it once.
+Each turn it reads the load (``workers.scheduler.signals``, every ``load_poll_seconds``) into
+the hysteresis gate, refreshes the batches' slack (``workers.scheduler.slack``, every
+``estimate_seconds``), tops the engine up and steps it once.
 
-- **Claims** come in chunks sized from the engine's room (``workers.scheduler.dispatch``): the
-  runner holds ``slots × queue_depth`` lines, ``slots`` of them running and the rest queued here,
-  and claims the difference while the engine decodes, across all batches of the model, earliest
-  deadline first, with a lease. Each chunk is ordered so prompts that share a prefix run
-  together, and the sizing decision is logged before it runs.
+- **Claims** come in chunks sized from the engine's room (``workers.scheduler.chunking``): the
+  runner holds ``slots × queue_depth`` lines, ``slots`` of them running and the rest queued here
+  (``workers.runner.held``), and claims the difference while the engine decodes, across all
+  batches of the model, earliest deadline first, with a lease. Each chunk is prepared and
+  ordered (``workers.runner.admission``) and the sizing decision is logged before it runs.
 - **Yield**: while the gate is closed (load above high-water until it falls to low-water, an
   admin pause, an unreadable signal) nothing new starts; when it closes mid-chunk, queued lines
   go back to pending and, with ``abort_on_yield``, so do running sequences. Urgent batches
   (slack below their margin) are exempt: they are claimed, admitted and kept whatever the load;
   a hard pause stops them too.
-- **Write-back** every ``flush_seconds``: results, the engine time they took (an engine chunk),
-  a lease heartbeat, and the batches' statuses, which stop the lines of cancelled or expired
-  batches. A database outage only delays it: results wait in memory, and the lease check in
-  ``write_results`` keeps a line from being written twice if another worker took it over.
+- **Write-back** every ``flush_seconds`` (``workers.runner.writeback``): results, the engine
+  time they took, a lease heartbeat, and the batches' statuses, which stop the lines of
+  cancelled or expired batches. A database outage only delays it.
+- **Faults**: an engine that fails raises ``EngineFault`` after every held line went back to
+  pending; a stop request (``workers.lifecycle``) hands everything back and returns.
 
 Time comes from an injectable clock and lines from an injectable store, so ``offpeak simulate
 day`` drives this same code on a virtual clock.
@@ -27,37 +28,33 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import secrets
-import socket
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
-from offpeak import wire
 from offpeak.ids import now as unix_now
 from offpeak.settings import Settings
 from storage.errors import TRANSIENT_DB_ERRORS
-from storage.repositories.chunks import BatchTokens
-from storage.repositories.requests import ClaimedRequest
-from workers import lifecycle, serving
+from storage.repositories.requests import ClaimedRequest, FinishedLine
+from workers import lifecycle
 from workers import metrics as worker_metrics
-from workers.engine.base import Engine, EngineFault, EngineResult
+from workers.engine.base import Engine, EngineFault
 from workers.planner import StepModel
+from workers.runner import results
+from workers.runner.admission import prepare_chunk
+from workers.runner.held import HeldLine, HeldLines
+from workers.runner.writeback import ResultWriter
 from workers.scheduler import metrics
+from workers.scheduler.chunking import claim_size, engine_room, size_for
 from workers.scheduler.clock import Clock, WallClock
-from workers.scheduler.dispatch import claim_size, engine_room, prefix_order, size_for
 from workers.scheduler.heartbeat import LeaseHeartbeat
 from workers.scheduler.hysteresis import Gate
 from workers.scheduler.signals import BackgroundMonitor, LoadMonitor, build_signals
 from workers.scheduler.slack import Estimate, calibrated, refresh_estimates
-from workers.scheduler.store import DbStore, Flush, WorkStore
-from workers.serving import LineError, Prepared
+from workers.scheduler.store import DbStore, WorkStore
+from workers.serving import LineError
 
 log = logging.getLogger(__name__)
 
@@ -65,24 +62,6 @@ log = logging.getLogger(__name__)
 #: it must have stepped before that rate is trusted.
 RATE_SECONDS = 300.0
 RATE_TRUSTED_AFTER = 30.0
-#: Errors that mean "the database is unreachable right now", not "this write is wrong".
-_DB_DOWN = TRANSIENT_DB_ERRORS
-#: A line claimed this many times is a suspect: it was inside an engine (or a worker) that died
-#: at least once. Suspects run one at a time beside clean lines, so a line that kills the engine
-#: again is the only line charged with it (``Settings.max_line_attempts``).
-SUSPECT_ATTEMPTS = 2
-
-_worker_ids: dict[int, str] = {}
-
-
-def worker_id() -> str:
-    """``host:pid:random``, fixed for this process: readable in the leases it writes, and unique
-    per start (a container restarted with the same hostname and PID 1 must not adopt its dead
-    predecessor's leases). A forked child gets an id of its own."""
-    pid = os.getpid()
-    if pid not in _worker_ids:
-        _worker_ids[pid] = f"{socket.gethostname()}:{pid}:{secrets.token_hex(3)}"
-    return _worker_ids[pid]
 
 
 @dataclass
@@ -113,11 +92,11 @@ class DrainStats:
         """``cached_tokens / prompt_tokens`` of the requests that finished."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
-
-@dataclass
-class _Held:
-    row: ClaimedRequest
-    prepared: Prepared
+    def count(self, line: FinishedLine) -> None:
+        self.requests += 1
+        self.prompt_tokens += line.tokens.prompt
+        self.cached_tokens += line.tokens.cached
+        self.completion_tokens += line.tokens.completion
 
 
 class Runner:
@@ -170,11 +149,10 @@ class Runner:
         self.slots = self.room.max_num_seqs
         #: Fallback throughput before any is measured: the calibrated or the seed's step model.
         self.step_model = step_model or calibrated(settings, self.model, device)
-        self._staged: deque[_Held] = deque()
-        self._in_flight: dict[str, _Held] = {}
-        self._results: list[dict[str, Any]] = []
-        #: Batches of lines held (a superset: cleared whenever nothing is held).
-        self._held_ids: set[str] = set()
+        self.held = HeldLines()
+        self.writer = ResultWriter(
+            settings, self.store, owner, self.model, device, self.clock.time(), export_metrics
+        )
         self._urgent: set[str] = set()
         #: Every batch that has been urgent in this process (the simulation reports it).
         self.urgent_seen: set[str] = set()
@@ -183,8 +161,6 @@ class Runner:
         self._next_estimate_at = -math.inf
         self._next_claim_at = -math.inf
         self._last_flush = self.clock.monotonic()
-        self._busy_seconds = 0.0
-        self._period_started = self.clock.time()
         #: Tokens generated and seconds stepped, decayed over ``RATE_SECONDS`` of stepping.
         self._rate_tokens = self._rate_seconds = 0.0
         self._published_at = -math.inf
@@ -202,7 +178,7 @@ class Runner:
     def replace_engine(self, engine: Engine) -> None:
         """Drive ``engine`` from now on (a new one after the old failed). Only between runs: the
         old engine's lines were handed back when it failed."""
-        assert not self._in_flight and not self._staged, "replace_engine while holding lines"
+        assert not self.held, "replace_engine while holding lines"
         self.engine = engine
         self.room = engine_room(engine, self.settings.models.get(self.model))
         self.slots = self.room.max_num_seqs
@@ -217,7 +193,8 @@ class Runner:
     def run(self, until: Callable[[], bool] | None = None) -> DrainStats:
         """Run the loop. Without ``until`` it returns once the engine is empty and nothing
         admissible can be claimed; with it, it waits (``clock.sleep``) for work or a lower load
-        until ``until()`` is true. Unfinished lines go back to pending if it raises."""
+        until ``until()`` is true. Unfinished lines go back to pending if it raises
+        (``EngineFault`` when the engine failed)."""
         stats = self._stats = DrainStats()
         started = self.clock.monotonic()
         # A new drain acts on a fresh reading, not on the one that ended the last.
@@ -262,7 +239,7 @@ class Runner:
             at = self.clock.time()
             self._observe(at)
             self._top_up(at)
-            if self._in_flight:
+            if self.held.running:
                 self._step()
                 looked_again = False
                 if self.clock.monotonic() - self._last_flush >= self.settings.flush_seconds:
@@ -274,7 +251,7 @@ class Runner:
                 continue
             self._flush()
             if until is None:
-                if self._results:
+                if self.writer.pending:
                     # The write-back failed (database down): the results are the only copy;
                     # keep trying rather than return with them in memory.
                     self.clock.sleep(self.settings.flush_seconds)
@@ -285,18 +262,18 @@ class Runner:
                 break
             self.clock.sleep(self.policy.load_poll_seconds)
         # Lines queued but not admissible (a hard pause) go back rather than wait out a lease.
-        self._release([h.row for h in self._staged], count_attempt=False)
-        self._staged.clear()
+        queued = self.held.take_queued(lambda _h: True)
+        self.writer.release([h.row for h in queued], count_attempt=False)
 
     def _step(self) -> None:
-        running = min(len(self._in_flight), self.slots)
+        running = min(len(self.held.running), self.slots)
         started = self.clock.monotonic()
         try:
             finished = self.engine.step()
         except Exception as exc:
-            raise EngineFault(f"engine step failed: {exc!r}", list(self._in_flight)) from exc
+            raise EngineFault(f"engine step failed: {exc!r}", list(self.held.running)) from exc
         elapsed = self.clock.monotonic() - started
-        self._busy_seconds += elapsed
+        self.writer.busy_seconds += elapsed
         self._stats.busy_seconds += elapsed
         # Every running sequence gains a token per step: the rate counts tokens of lines still
         # running too, which finished-line counts miss right after the engine fills up.
@@ -305,21 +282,15 @@ class Runner:
         self._rate_seconds = self._rate_seconds * keep + elapsed
         created = unix_now()
         for result in finished:
-            held = self._in_flight.pop(result.request_id, None)
+            held = self.held.finished(result.request_id)
             if held is None:  # aborted in the same step it finished
                 continue
-            line = _succeeded(held.row, held.prepared, result, created, self.clock.time())
-            self._results.append(line)
-            self._count(line)
-
-    def _count(self, line: dict[str, Any]) -> None:
-        for stats in (self._stats, self.lifetime):
-            stats.requests += 1
-            stats.prompt_tokens += line["prompt_tokens"]
-            stats.cached_tokens += line["cached_tokens"]
-            stats.completion_tokens += line["completion_tokens"]
-        self._chunk_prompt += line["prompt_tokens"]
-        self._chunk_cached += line["cached_tokens"]
+            line = results.succeeded(held.row, held.prepared, result, created, self.clock.time())
+            self.writer.add(line)
+            self._stats.count(line)
+            self.lifetime.count(line)
+            self._chunk_prompt += line.tokens.prompt
+            self._chunk_cached += line.tokens.cached
 
     # --- Load and deadlines -------------------------------------------------------------------
 
@@ -344,7 +315,7 @@ class Runner:
         try:
             self.store.publish_load(self.policy.pool, reading | {"worker": self.owner}, at)
             self._published_at = at
-        except _DB_DOWN as exc:
+        except TRANSIENT_DB_ERRORS as exc:
             log.warning("cannot publish the load reading: %s", exc)
 
     def _estimate(self, at: float) -> None:
@@ -360,7 +331,7 @@ class Runner:
                 self.slots,
                 local_rate=self.measured_tokens_per_second,
             )
-        except _DB_DOWN as exc:
+        except TRANSIENT_DB_ERRORS as exc:
             log.warning("cannot refresh the slack estimates: %s", exc)
             return
         ended = set(self.estimates) - {e.batch_id for e in estimates}
@@ -397,17 +368,14 @@ class Runner:
     def _yield(self) -> None:
         """The gate closed: hand back queued lines and, with ``abort_on_yield`` (always on a hard
         pause), abort running ones, except urgent batches' (none on a hard pause)."""
-        if not self._staged and not self._in_flight:
+        if not self.held:
             return  # nothing was running: nothing to yield
-        keep = self._admissible
-        queued = [h for h in self._staged if not keep(h.row.batch_id)]
-        self._staged = deque(h for h in self._staged if keep(h.row.batch_id))
-        running: list[_Held] = []
+        leave = lambda h: not self._admissible(h.row.batch_id)  # noqa: E731
+        queued = self.held.take_queued(leave)
+        running: list[HeldLine] = []
         if self.policy.abort_on_yield or self.gate.hard_paused:
-            running = [h for h in self._in_flight.values() if not keep(h.row.batch_id)]
-            self._abort([h.prepared.request.request_id for h in running])
-            for h in running:
-                del self._in_flight[h.prepared.request.request_id]
+            running = self.held.take_running(leave)
+            self._abort([h.request_id for h in running])
         self._stats.yields += 1
         self.lifetime.yields += 1
         if self.export_metrics:
@@ -416,8 +384,7 @@ class Runner:
         if not queued and not running:
             return
         self._flush()  # what finished is written before its neighbours are handed back
-        rows = [h.row for h in (*queued, *running)]
-        self._release(rows, count_attempt=False)
+        self.writer.release([h.row for h in (*queued, *running)], count_attempt=False)
         self._stats.aborted += len(running)
         self._stats.released += len(queued)
         log.info(
@@ -425,7 +392,7 @@ class Runner:
             "urgent batches continue",
             len(queued),
             len(running),
-            len(self._in_flight),
+            len(self.held.running),
         )
 
     # --- Claims and admission -----------------------------------------------------------------
@@ -435,7 +402,7 @@ class Runner:
         if may_claim and at >= self._next_claim_at:
             limit = claim_size(
                 self.slots,
-                len(self._staged) + len(self._in_flight),
+                len(self.held),
                 self.policy.queue_depth,
                 self.settings.chunk_size,
                 self.policy.min_claim,
@@ -447,7 +414,11 @@ class Runner:
                     self._next_claim_at = at + self.settings.flush_seconds
                 if claimed:
                     self._accept(claimed)
-        self._admit()
+        feed = self.slots + max(8, self.slots // 4)  # a step's finished lines get replaced
+        self.held.admit(self.engine, feed, self._admissible, self._refused)
+
+    def _refused(self, held: HeldLine, error: LineError) -> None:
+        self.writer.add(results.failed(held.row, error, self.clock.time()))
 
     def _claim(self, at: float, limit: int) -> list[ClaimedRequest]:
         only = None if self.gate.open else set(self._urgent)
@@ -455,66 +426,37 @@ class Runner:
             return self.store.claim(
                 self.model, limit, self.owner, at, at + self.settings.lease_seconds, only
             )
-        except _DB_DOWN as exc:
+        except TRANSIENT_DB_ERRORS as exc:
             log.warning("claim failed, retrying: %s", exc)
             self._next_claim_at = at + self.settings.flush_seconds
             return []
 
     def _accept(self, claimed: list[ClaimedRequest]) -> None:
-        """Prepare a claimed chunk, order it by shared prefix (urgent batches first), queue it,
-        and size the engine's slots for what is now held; the decision goes to the log."""
+        """Prepare a claimed chunk, queue it, and size the engine's slots for what is now held;
+        the decision goes to the log."""
         self._stats.chunks += 1
-        ready: list[_Held] = []
-        held = {h.row.id for h in self._staged} | {h.row.id for h in self._in_flight.values()}
-        for row in claimed:
-            self._stats.touched.add(row.batch_id)
-            if row.id in held:
-                # Our own lease had lapsed and the claim took the line back: it is running here.
-                continue
-            if row.attempts > self.settings.max_line_attempts:
-                # It was inside a dying engine or worker every time it ran (and alone among
-                # suspects since the first): this line is the cause; it fails alone.
-                self._results.append(
-                    _failed(row, _crashed_engine(row.attempts - 1), self.clock.time())
-                )
-                if self.export_metrics:
-                    worker_metrics.POISON_LINES.labels(self.model).inc()
-                log.error(
-                    "line %s of %s (custom_id %r) was running in %d engine failures: failed",
-                    row.id,
-                    row.batch_id,
-                    row.custom_id,
-                    row.attempts - 1,
-                )
-                continue
-            try:
-                line = orjson.loads(row.line_json)
-                prepared = serving.prepare(str(row.id), line["url"], line["body"], self.engine)
-            except LineError as exc:
-                self._results.append(_failed(row, exc, self.clock.time()))
-                continue
-            except Exception:  # our bug, not the client's: fail this line alone, keep the chunk
-                log.exception("cannot prepare line %s of %s", row.id, row.batch_id)
-                self._results.append(_failed(row, _internal_error(), self.clock.time()))
-                continue
-            if row.batch_id in self._urgent:
-                prepared.request.priority = -1  # ahead of other batches' lines in the engine
-            ready.append(_Held(row, prepared))
-        ordered = prefix_order(ready, lambda h: h.prepared.request.prompt_token_ids)
-        ordered.sort(key=lambda h: h.row.batch_id not in self._urgent)  # stable
-        self._staged.extend(ordered)
-        needs = [
-            (len(h.prepared.request.prompt_token_ids), h.prepared.request.sampling.max_tokens)
-            for h in (*self._in_flight.values(), *self._staged)
-            for _ in range(h.prepared.request.sampling.n)
-        ]
+        self._stats.touched.update(row.batch_id for row in claimed)
+        chunk = prepare_chunk(
+            claimed,
+            self.engine,
+            held=set(self.held.row_ids()),
+            urgent=self._urgent,
+            max_attempts=self.settings.max_line_attempts,
+            at=self.clock.time(),
+        )
+        for line in chunk.failed:
+            self.writer.add(line)
+        if chunk.poison and self.export_metrics:
+            worker_metrics.POISON_LINES.labels(self.model).inc(len(chunk.poison))
+        self.held.queue(chunk.ready)
+        needs = self.held.engine_needs()
         if needs:
             sizing = size_for(needs, self.room, self.engine.max_model_len)
             self.slots = sizing.slots
             if self.export_metrics:
                 metrics.SLOTS.labels(self.model).set(self.slots)
         batches = {row.batch_id for row in claimed}
-        self._held_ids.update(batches)
+        self.held.note_batches(batches)
         hit = self._chunk_cached / self._chunk_prompt if self._chunk_prompt else None
         log.info(
             "%s: claimed %d lines of %d batch(es)%s; sizing: %s; prefix-cache hit rate %s since "
@@ -531,67 +473,12 @@ class Runner:
             metrics.observe_prefix_hit_rate(self.model, self.lifetime.prefix_hit_rate)
         self._chunk_prompt = self._chunk_cached = 0
 
-    def _admit(self) -> None:
-        """Feed queued lines to the engine: a little more than its slots, so the sequences that
-        finish in one step are replaced in the next. A suspect line (see ``SUSPECT_ATTEMPTS``)
-        joins only while no other suspect runs; it waits at the front of the queue meanwhile.
-
-        Raises ``EngineFault`` when ``add`` fails with anything but ``ValueError`` (the engine's
-        verdict on the request itself): the line that was being added is a suspect too.
-        """
-        feed = self.slots + max(8, self.slots // 4)
-        # Looked up only when a suspect is next in line: suspects are rare, steps are not.
-        suspect_running: bool | None = None
-        waiting: list[_Held] = []
-        while self._staged and len(self._in_flight) < feed:
-            if not self._admissible(self._staged[0].row.batch_id):
-                break
-            held = self._staged.popleft()
-            if _suspect(held):
-                if suspect_running is None:
-                    suspect_running = any(_suspect(h) for h in self._in_flight.values())
-                if suspect_running:
-                    waiting.append(held)
-                    continue
-                suspect_running = True
-            request_id = held.prepared.request.request_id
-            try:
-                self.engine.add(held.prepared.request)
-            except ValueError as exc:  # the engine refused the request itself
-                self._results.append(_failed(held.row, LineError(str(exc)), self.clock.time()))
-                continue
-            except Exception as exc:
-                # Not a verdict on the line: the engine is broken (dead engine core, a bug).
-                # The line counts as inside it, so a line that breaks ``add`` every time is
-                # caught by the attempts cap instead of looping forever.
-                self._in_flight[request_id] = held
-                self._staged.extendleft(reversed(waiting))
-                raise EngineFault(
-                    f"engine refused a request: {exc!r}", list(self._in_flight)
-                ) from exc
-            self._in_flight[request_id] = held
-        self._staged.extendleft(reversed(waiting))
-
     # --- Write-back ---------------------------------------------------------------------------
 
-    def _held_row_ids(self, results: bool = True) -> list[int]:
-        """Ids of the lines held: queued, running, or finished with the result not yet written.
-        Safe from the heartbeat thread: copying a dict's values, a deque or a list holds the
-        GIL throughout."""
-        held = (*tuple(self._staged), *tuple(self._in_flight.values()))
-        # Finished lines whose results are not written yet are still this worker's.
-        ids = [h.row.id for h in held]
-        return ids + [r["id"] for r in tuple(self._results)] if results else ids
-
     def _renew(self) -> None:
-        self.store.renew(
-            self.owner, time.time() + self.settings.lease_seconds, self._held_row_ids()
-        )
-
-    def _held_batches(self) -> set[str]:
-        if not self._staged and not self._in_flight:
-            self._held_ids.clear()
-        return set(self._held_ids)
+        # Finished lines whose results are not written yet are still this worker's.
+        ids = self.held.row_ids() + self.writer.row_ids()
+        self.store.renew(self.owner, time.time() + self.settings.lease_seconds, ids)
 
     def _flush(self) -> None:
         """Write results and accounting, renew leases, and stop the lines of batches that were
@@ -599,55 +486,16 @@ class Runner:
         unreachable."""
         self._last_flush = self.clock.monotonic()
         at = self.clock.time()
-        per_batch: dict[str, BatchTokens] = {}
-        for r in self._results:
-            if r["status"] == "succeeded":
-                tokens = per_batch.setdefault(r["batch_id"], BatchTokens())
-                tokens.requests += 1
-                tokens.prompt_tokens += r["prompt_tokens"]
-                tokens.cached_tokens += r["cached_tokens"]
-                tokens.completion_tokens += r["completion_tokens"]
-        flush = Flush(
-            owner=self.owner,
-            model=self.model,
-            device=self.device,
-            at=at,
-            lease_until=at + self.settings.lease_seconds,
-            results=list(self._results),
-            per_batch=per_batch,
-            started_at=self._period_started,
-            busy_seconds=self._busy_seconds,
-            batch_ids=self._held_batches(),
-            # The results in this flush are written before the leases are renewed.
-            held_ids=self._held_row_ids(results=False),
-        )
-        if not flush.results and not flush.batch_ids:
+        # The pending results are written before the leases are renewed: only held lines.
+        report = self.writer.write(at, self.held.row_ids(), self.held.batch_ids())
+        if report is None:
             return
-        try:
-            written = self.store.flush(flush)
-            if self.heartbeat:
-                self.heartbeat.renewed()
-        except _DB_DOWN as exc:
-            log.warning(
-                "write-back failed, keeping %d results for the next: %s", len(flush.results), exc
-            )
-            return
-        if per_batch:  # the seconds went into a chunk; a failed flush keeps them for the next
-            if self.export_metrics:
-                worker_metrics.observe_flush(
-                    self.model,
-                    self._busy_seconds,
-                    sum(t.requests for t in per_batch.values()),
-                    sum(t.prompt_tokens for t in per_batch.values()),
-                    sum(t.cached_tokens for t in per_batch.values()),
-                    sum(t.completion_tokens for t in per_batch.values()),
-                )
-            self._busy_seconds, self._period_started = 0.0, at
-        del self._results[: len(flush.results)]
-        if written.lost:
-            self._drop_lost(set(written.lost))
+        if self.heartbeat:
+            self.heartbeat.renewed()
+        if report.lost:
+            self._drop_lost(set(report.lost))
         stopped = {}
-        for batch_id, (status, expires_at) in written.statuses.items():
+        for batch_id, (status, expires_at) in report.statuses.items():
             if status in ("cancelling", "cancelled"):
                 stopped[batch_id] = "cancelled"
             elif status == "expired" or (status == "in_progress" and expires_at <= at):
@@ -658,94 +506,25 @@ class Runner:
     def _drop_lost(self, lost: set[int]) -> None:
         """Stop running lines another worker took over (our lease had lapsed): they run there,
         and our results for them would not be written anyway."""
-        doomed = [h for h in self._in_flight.values() if h.row.id in lost]
-        self._abort([h.prepared.request.request_id for h in doomed])
-        for h in doomed:
-            del self._in_flight[h.prepared.request.request_id]
-        self._staged = deque(h for h in self._staged if h.row.id not in lost)
+        running = self.held.take_running(lambda h: h.row.id in lost)
+        self._abort([h.request_id for h in running])
+        self.held.take_queued(lambda h: h.row.id in lost)
         log.warning("%d lines were taken over by another worker (lease lapsed); dropped", len(lost))
 
     def _stop_batches(self, stopped: dict[str, str], at: float) -> None:
-        doomed = [
-            h for h in (*self._staged, *self._in_flight.values()) if h.row.batch_id in stopped
-        ]
-        self._held_ids -= set(stopped)
-        if not doomed:
+        self.held.forget_batches(stopped)
+        doomed = lambda h: h.row.batch_id in stopped  # noqa: E731
+        running = self.held.take_running(doomed)
+        self._abort([h.request_id for h in running])
+        queued = self.held.take_queued(doomed)
+        if not running and not queued:
             return
-        self._abort([h.prepared.request.request_id for h in doomed])
-        for h in doomed:
-            self._in_flight.pop(h.prepared.request.request_id, None)
-        self._staged = deque(h for h in self._staged if h.row.batch_id not in stopped)
-        for h in doomed:
-            self._results.append(
-                {
-                    "id": h.row.id,
-                    "batch_id": h.row.batch_id,
-                    "status": stopped[h.row.batch_id],
-                    "finished_at": at,
-                }
-            )
+        for h in (*running, *queued):
+            self.writer.add(results.never_ran(h.row, stopped[h.row.batch_id], at))
         self._stats.touched.update(stopped)
-        log.info("stopped %d lines of %s", len(doomed), ", ".join(sorted(stopped)))
+        log.info("stopped %d lines of %s", len(running) + len(queued), ", ".join(sorted(stopped)))
 
-    def _release(self, rows: Iterable[ClaimedRequest], *, count_attempt: bool) -> None:
-        rows = list(rows)
-        if not rows:
-            return
-        try:
-            self.store.release(
-                self.owner,
-                [r.id for r in rows],
-                {r.batch_id for r in rows},
-                count_attempt=count_attempt,
-            )
-        except _DB_DOWN as exc:  # their leases run out instead
-            log.warning("cannot hand back %d lines (their leases will run out): %s", len(rows), exc)
-
-    def _release_ids(self, ids: list[int], batch_ids: set[str]) -> None:
-        if not ids:
-            return
-        try:
-            self.store.release(self.owner, ids, batch_ids, count_attempt=True)
-        except _DB_DOWN as exc:
-            log.warning("cannot hand back %d lines (their leases will run out): %s", len(ids), exc)
-
-    def _give_back(self) -> None:
-        """The loop raised (the engine failed, a bug, the database refused a write): write what
-        finished and hand the rest back so it runs again (here or elsewhere) without waiting
-        for the lease. Lines that were inside the engine keep the attempt their claim counted:
-        one of them may be the cause (``SUSPECT_ATTEMPTS``); queued lines do not."""
-        running = list(self._in_flight.values())
-        queued = list(self._staged)
-        self._abort_quietly([h.prepared.request.request_id for h in running])
-        self._in_flight.clear()
-        self._staged.clear()
-        unwritable: list[dict[str, Any]] = []
-        try:
-            self._flush()
-        except Exception:
-            # Not an outage (``_flush`` keeps results through those): the database refuses
-            # these results and would refuse them again. Their lines run again instead.
-            log.exception(
-                "the database refused %d results; their lines go back", len(self._results)
-            )
-            unwritable, self._results = self._results, []
-        finally:
-            self._release([h.row for h in running], count_attempt=True)
-            self._release([h.row for h in queued], count_attempt=False)
-            self._release_ids([r["id"] for r in unwritable], {r["batch_id"] for r in unwritable})
-
-    def _hand_back_all(self) -> None:
-        """The worker is stopping: abort what runs, write what finished, and hand every held
-        line back to pending without counting an attempt (nothing went wrong with them)."""
-        held = [*self._in_flight.values(), *self._staged]
-        self._abort_quietly([h.prepared.request.request_id for h in self._in_flight.values()])
-        self._in_flight.clear()
-        self._staged.clear()
-        self._flush()
-        self._release([h.row for h in held], count_attempt=False)
-        if held:
-            log.info("stopping: %d lines handed back to pending", len(held))
+    # --- Faults and stops ---------------------------------------------------------------------
 
     def _abort(self, request_ids: list[str]) -> None:
         """``engine.abort``; raises ``EngineFault`` if the engine cannot (it is broken)."""
@@ -754,7 +533,7 @@ class Runner:
         try:
             self.engine.abort(request_ids)
         except Exception as exc:
-            raise EngineFault(f"engine abort failed: {exc!r}", list(self._in_flight)) from exc
+            raise EngineFault(f"engine abort failed: {exc!r}", list(self.held.running)) from exc
 
     def _abort_quietly(self, request_ids: list[str]) -> None:
         if not request_ids:
@@ -764,52 +543,39 @@ class Runner:
         except Exception as exc:  # a dead engine cannot abort; it holds nothing any more
             log.warning("engine abort failed (%r); handing the lines back anyway", exc)
 
+    def _give_back(self) -> None:
+        """The loop raised (the engine failed, a bug, the database refused a write): write what
+        finished and hand the rest back so it runs again (here or elsewhere) without waiting
+        for the lease. Lines that were inside the engine keep the attempt their claim counted:
+        one of them may be the cause (``workers.runner.held.SUSPECT_ATTEMPTS``); queued lines
+        do not."""
+        running = self.held.take_running(lambda _h: True)
+        queued = self.held.take_queued(lambda _h: True)
+        self._abort_quietly([h.request_id for h in running])
+        unwritable: list[FinishedLine] = []
+        try:
+            self._flush()
+        except Exception:
+            # Not an outage (the writer keeps results through those): the database refuses
+            # these results and would refuse them again. Their lines run again instead.
+            log.exception(
+                "the database refused %d results; their lines go back", len(self.writer.pending)
+            )
+            unwritable = self.writer.drop_pending()
+        finally:
+            self.writer.release([h.row for h in running], count_attempt=True)
+            self.writer.release([h.row for h in queued], count_attempt=False)
+            self.writer.release_ids(
+                [r.id for r in unwritable], {r.batch_id for r in unwritable}, count_attempt=True
+            )
 
-def _succeeded(
-    row: ClaimedRequest, prepared: Prepared, result: EngineResult, created: int, at: float
-) -> dict[str, Any]:
-    body = serving.response_body(prepared, result, created)
-    usage = body["usage"]
-    return {
-        "id": row.id,
-        "batch_id": row.batch_id,
-        "status": "succeeded",
-        "status_code": 200,
-        "result": wire.response_line(row.custom_id, 200, body).decode(),
-        "prompt_tokens": usage["prompt_tokens"],
-        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-        "completion_tokens": usage["completion_tokens"],
-        "finished_at": at,
-    }
-
-
-def _suspect(held: _Held) -> bool:
-    return held.row.attempts >= SUSPECT_ATTEMPTS
-
-
-def _crashed_engine(failures: int) -> LineError:
-    return LineError(
-        f"The engine failed {failures} times while running this request, alone among retried "
-        "requests since the first failure; it was not run again.",
-        code="engine_failure",
-        status_code=500,
-    )
-
-
-def _internal_error() -> LineError:
-    return LineError(
-        "The server failed to process this request; it was not run.",
-        code="internal_error",
-        status_code=500,
-    )
-
-
-def _failed(row: ClaimedRequest, error: LineError, at: float) -> dict[str, Any]:
-    return {
-        "id": row.id,
-        "batch_id": row.batch_id,
-        "status": "failed",
-        "status_code": error.status_code,
-        "result": wire.response_line(row.custom_id, error.status_code, error.body()).decode(),
-        "finished_at": at,
-    }
+    def _hand_back_all(self) -> None:
+        """The worker is stopping: abort what runs, write what finished, and hand every held
+        line back to pending without counting an attempt (nothing went wrong with them)."""
+        running = self.held.take_running(lambda _h: True)
+        queued = self.held.take_queued(lambda _h: True)
+        self._abort_quietly([h.request_id for h in running])
+        self._flush()
+        self.writer.release([h.row for h in (*running, *queued)], count_attempt=False)
+        if running or queued:
+            log.info("stopping: %d lines handed back to pending", len(running) + len(queued))

@@ -1,4 +1,5 @@
-"""Dispatch: how much to claim, and in which order to feed a chunk to the engine.
+"""Chunking: how much to claim, how many sequences the engine runs, and the order a chunk
+joins it in.
 
 The engine's room is its sequence limit (``max_num_seqs``) and its KV cache. How many sequences
 of *these* requests fit is ``workers.planner.choose_engine_limits`` (issue 5's planner: paged
