@@ -87,7 +87,9 @@ class Channel(filesystem.Channel):
 
     # -- messages ---------------------------------------------------------------------------
 
-    def _put(self, queue: str, payload: dict[str, Any], **kwargs: Any) -> None:
+    # kombu's filesystem Channel names the argument ``payload``, its virtual base ``message``:
+    # both cannot be matched, and kombu passes it by position.
+    def _put(self, queue: str, payload: dict[str, Any], **kwargs: Any) -> None:  # type: ignore[override]
         """Put ``payload`` on ``queue``: one file, visible to consumers only once complete."""
         # kombu's file name: a millisecond stamp (CLOCK_MONOTONIC is system-wide on Linux, so
         # the order holds across processes), a uuid, and the queue after the first dot.
@@ -97,7 +99,7 @@ class Channel(filesystem.Channel):
         except OSError as exc:
             raise ChannelError(f"Cannot add file {name!r} to directory") from exc
 
-    def _get(self, queue: str) -> dict[str, Any]:
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         """The oldest message of ``queue``, removed from the folder; ``queue.Empty`` if none."""
         wanted = f"{queue}.msg"
         folder = Path(self.data_folder_in)

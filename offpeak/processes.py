@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -160,7 +160,8 @@ class Child:
     started_at: float = 0.0
     #: Exits in a row that came sooner than ``Supervisor.stable_seconds`` after a start.
     quick_exits: int = 0
-    restart_at: float | None = field(default=0.0)
+    #: Monotonic time of the next start; None while it runs.
+    restart_at: float | None = 0.0
 
 
 class Supervisor:

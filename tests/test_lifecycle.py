@@ -300,12 +300,13 @@ def control_stack(
 
 @pytest.fixture(scope="module")
 def long_batch(control_stack: ServiceProcesses, engine_settings: Settings) -> LongBatch:
-    """A batch long enough to outlast the first engine workers' short lives: 300 lines of up to
-    96 tokens (about a minute of engine time here)."""
+    """A batch that outlasts the first engine workers' short lives (each is stopped as soon as
+    it holds lines): 120 lines of 16 to 48 tokens, seconds of engine time on a quiet machine,
+    minutes on a loaded one."""
     client = OpenAI(
         base_url=f"{control_stack.base_url}/v1", api_key=new_key(engine_settings), max_retries=2
     )
-    ids = [f"life-{i}" for i in range(300)]
+    ids = [f"life-{i}" for i in range(120)]
     lines = [
         orjson.dumps(
             {
@@ -315,7 +316,7 @@ def long_batch(control_stack: ServiceProcesses, engine_settings: Settings) -> Lo
                 "body": {
                     "model": MODEL,
                     "messages": [{"role": "user", "content": f"Tell story {i} about a ship."}],
-                    "max_tokens": 16 * (1 + i % 6),
+                    "max_tokens": 16 * (1 + i % 3),
                     "temperature": 0,
                 },
             }
@@ -456,7 +457,7 @@ def test_batch_survives_every_stop_each_custom_id_once(
     """After the stops above, one more engine worker finishes the batch: nothing failed, every
     ``custom_id`` once (the lines held by the forced exits came back when their leases ran out)."""
     start_engine(control_stack, "engine-last")
-    batch = wait_for_end(long_batch.client, long_batch.batch_id, control_stack, timeout=600)
+    batch = wait_for_end(long_batch.client, long_batch.batch_id, control_stack, timeout=480)
     assert batch.status == "completed"
     output, errors = check_ran_batch(long_batch.client, batch, long_batch.custom_ids)
     assert len(output) == len(long_batch.custom_ids) and errors == []
