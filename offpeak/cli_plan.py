@@ -1,9 +1,9 @@
 """`offpeak plan memory|batch`, `offpeak simulate policies` and `offpeak calibrate MODEL`.
 
-Command-line faces of ``workers.planner``, ``workers.simulate`` and ``workers.calibration``: the
-seed lesson's three calculations (``shared/seed/serving-models.txt``) as tools an operator runs.
-Every command prints rich tables, or one JSON object with ``--json``; ``--plot FILE.png`` draws
-the result with matplotlib (imported only then, so the CLI starts fast).
+Command-line faces of ``workers.planner``, ``workers.sim.policies`` and ``workers.calibration``:
+the seed lesson's three calculations (``shared/seed/serving-models.txt``) as tools an operator
+runs. Every command prints rich tables, or one JSON object with ``--json``; ``--plot FILE.png``
+draws the result with matplotlib (imported only then, so the CLI starts fast).
 """
 
 from __future__ import annotations
@@ -392,7 +392,7 @@ def simulate_policies_command(
     Defaults are the seed's: 427 requests; 46 finished one at a time; continuous batching about
     ten times that throughput with nothing left queued.
     """
-    from workers.simulate import simulate_policies
+    from workers.sim.policies import simulate_policies
 
     try:
         workload, results = simulate_policies(

@@ -3,7 +3,7 @@
 ``pause``/``resume`` flip the admin switch in the database (the same switch as
 ``POST /v1/admin/scheduler/pause``), so they work wherever the settings reach the database, API up
 or not. ``simulate day`` replays a day of real-time load and batch arrivals through the real
-scheduler on a virtual clock (``workers.scheduler.simulation``).
+scheduler on a virtual clock (``workers.sim.day``).
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ def simulate_day_command(
     """Replay a day of real-time load and batch arrivals through the real scheduler, with the
     seed's step cost (10 ms + 0.4 ms per sequence) on a virtual clock; the configured scheduler
     settings apply (its load signals are replaced by the curve)."""
-    from workers.scheduler.simulation import DayParams, diurnal_curve, simulate_day
+    from workers.sim.day import DayParams, simulate_day
+    from workers.sim.load import diurnal_curve
 
     policy = get_settings().scheduler
     changes = {

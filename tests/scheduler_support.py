@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from workers.planner import StepModel
 from workers.scheduler.clock import VirtualClock
-from workers.scheduler.simulation import SimEngine
+from workers.sim.engine import SimEngine
 
 
 class MetricsEndpoint:

@@ -36,9 +36,9 @@ from tests.scheduler_support import MetricsEndpoint, decoding_engine, metrics_en
 from workers.finalize import finalize
 from workers.planner import StepModel
 from workers.runner import Runner
-from workers.scheduler.simulation import SimEngine
 from workers.scheduler.slack import sweep_estimates
 from workers.scheduler.store import DbStore
+from workers.sim.engine import SimEngine
 from workers.validation import run_validation
 
 

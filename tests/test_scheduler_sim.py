@@ -11,13 +11,9 @@ from typer.testing import CliRunner
 
 from offpeak.cli import app
 from offpeak.settings import SchedulerSettings
-from workers.scheduler.simulation import (
-    Arrival,
-    DayParams,
-    LoadCurve,
-    diurnal_curve,
-    simulate_day,
-)
+from workers.sim.day import DayParams, simulate_day
+from workers.sim.load import LoadCurve, diurnal_curve
+from workers.sim.store import Arrival
 
 
 def test_default_day_keeps_every_window_and_fills_the_valleys() -> None:

@@ -5,10 +5,11 @@
 - ``hysteresis``: low- and high-water marks, so batch work does not flap on and off.
 - ``slack``: each batch's estimated completion time and slack; urgent batches run regardless.
 - ``chunking``: claim sizing from the engine's room and prefix-grouped ordering of a chunk.
-- ``store``: where request lines come from and results go (PostgreSQL, or memory in the
-  simulation); ``clock``: real or virtual time.
-- ``simulation``: the seed's cost model on a virtual clock, driving the same ``Runner``.
+- ``store``: where request lines come from and results go (PostgreSQL; an in-memory store in
+  the simulation); ``clock``: real or virtual time.
 
 The loop that ties them together is ``workers.runner.Runner``; the policy is described for
-operators in ``docs/scheduling.md``.
+operators in ``docs/scheduling.md``. The simulated day (``offpeak simulate day``, in the ``sim``
+package beside this one) drives the same ``Runner`` with a fake engine and store on a virtual
+clock; nothing here imports it.
 """

@@ -2,7 +2,7 @@
 
 ``WorkStore`` is what ``workers.runner.Runner`` needs; ``DbStore`` implements it on the
 database through the repositories (one transaction per call), and the simulation implements it
-in memory, so the simulated day runs the same runner code as a worker.
+in memory (``MemoryStore``), so the simulated day runs the same runner code as a worker.
 """
 
 from __future__ import annotations
