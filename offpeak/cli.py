@@ -154,7 +154,7 @@ def worker(
         ]
     else:
         raise typer.BadParameter("role must be 'control' or 'engine'", param_hint="--role")
-    from workers import metrics as worker_metrics
+    from workers import worker_metrics
     from workers.runner import worker_id as this_worker
 
     worker_metrics.start_server(settings, role, this_worker())  # OFFPEAK_METRICS_PORT; 0 = off

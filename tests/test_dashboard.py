@@ -25,7 +25,7 @@ from storage.models import LoadSample, SchedulerState
 from tests.accounting_helpers import AcctTenant, end, make, run
 from tests.conftest import free_port
 from tests.test_runner import SlowEngine
-from workers import metrics as worker_metrics
+from workers import worker_metrics
 
 MODEL = "dashboard-model"
 SOURCE = "dashboard-test"

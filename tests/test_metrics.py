@@ -17,10 +17,10 @@ from sqlalchemy import delete
 from offpeak.settings import ModelConfig, ModelPricing, Settings
 from storage.db import session_scope
 from storage.models import LoadSample, SchedulerState
-from storage.repositories import metrics as metrics_repo
+from storage.repositories import fleet_stats
 from tests.accounting_helpers import AcctTenant, end, make, run
 from tests.conftest import free_port
-from workers import metrics as worker_metrics
+from workers import worker_metrics
 
 MODEL, QUEUED = "metrics-model", "metrics-queued"
 SOURCE = "metrics-test"
@@ -119,11 +119,11 @@ def test_api_metrics_expose_every_series(settings: Settings) -> None:
 
 
 def test_metrics_answers_are_cached(settings: Settings) -> None:
-    from api.services import metrics as metrics_service
+    from api.services import fleet_metrics
 
     cached = settings.model_copy(update={"metrics_cache_seconds": 60.0})
-    first = metrics_service.exposition(cached)
-    assert metrics_service.exposition(cached) is first
+    first = fleet_metrics.exposition(cached)
+    assert fleet_metrics.exposition(cached) is first
 
 
 def test_worker_metrics_endpoint(settings: Settings) -> None:
@@ -162,7 +162,7 @@ def test_load_samples_follow_the_scheduler_state(settings: Settings) -> None:
     with scheduler_state(settings):
         assert worker_metrics.sample_load(settings, at=at) >= 1
     with session_scope(settings.resolved_database_url) as session:
-        series = [s for s in metrics_repo.load_series(session, at - 48 * 3600) if s[1] == SOURCE]
+        series = [s for s in fleet_stats.load_series(session, at - 48 * 3600) if s[1] == SOURCE]
     # The 30-hour-old sample was pruned (24 h of history kept); the new one is paused at 0.42.
     assert series == [(pytest.approx(at), SOURCE, pytest.approx(0.42), True)]
 
@@ -181,5 +181,5 @@ def test_load_samples_follow_the_scheduler_state(settings: Settings) -> None:
 def test_scheduler_state_values_are_read_leniently(
     stored: object, load: float | None, paused: bool
 ) -> None:
-    assert metrics_repo.load_of(stored) == load
-    assert metrics_repo.paused_of(stored) is paused
+    assert fleet_stats.load_of(stored) == load
+    assert fleet_stats.paused_of(stored) is paused

@@ -21,7 +21,7 @@ from storage.db import session_scope
 from storage.models import Batch
 from storage.repositories import batches as batches_repo
 from storage.repositories import ledger as ledger_repo
-from workers import metrics
+from workers import worker_metrics as metrics
 
 log = logging.getLogger(__name__)
 

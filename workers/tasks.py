@@ -15,7 +15,8 @@ from storage.db import session_scope
 from storage.repositories import batches as batches_repo
 from storage.repositories import queued_messages
 from storage.repositories import requests as requests_repo
-from workers import accounting, metrics
+from workers import accounting
+from workers import worker_metrics as metrics
 from workers.celery_app import app
 from workers.engine import registry
 from workers.engine.base import EngineFault

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.deps import SettingsDep
-from api.services import metrics as metrics_service
+from api.services import fleet_metrics as metrics_service
 
 router = APIRouter(tags=["metrics"])
 

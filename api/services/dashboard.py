@@ -16,7 +16,7 @@ from api.services import health as health_service
 from api.services import usage as usage_service
 from offpeak import pricing
 from offpeak.settings import Settings
-from storage.repositories import metrics as metrics_repo
+from storage.repositories import fleet_stats
 
 #: Points per series on the chart: a bucket is ``hours × 3600 / POINTS`` seconds (5 s to 1 h).
 POINTS = 180
@@ -40,9 +40,9 @@ def _models(session: Session, settings: Settings, at: float) -> list[dict[str, A
             "tokens": 0,
         }
     )
-    for model, status, count, _size in metrics_repo.queue_depth(session):
+    for model, status, count, _size in fleet_stats.queue_depth(session):
         rows[model]["queued_requests" if status == "pending" else "running_requests"] += count
-    for engine in metrics_repo.engine_window(session, at - window):
+    for engine in fleet_stats.engine_window(session, at - window):
         row = rows[engine.model]
         row["prompt_tokens_per_second"] += engine.prompt_tokens / window
         row["completion_tokens_per_second"] += engine.completion_tokens / window
@@ -66,10 +66,10 @@ def _series(session: Session, at: float, hours: float) -> dict[str, Any]:
     first = int(since // step) * step
     times = list(range(first, int(at // step) * step + 1, step))
     tokens: dict[str, dict[int, float]] = defaultdict(dict)
-    for bucket, model, _prompt, completion in metrics_repo.throughput_series(session, since, step):
+    for bucket, model, _prompt, completion in fleet_stats.throughput_series(session, since, step):
         tokens[model][bucket] = completion / step
     load: dict[str, list[list[float]]] = defaultdict(list)
-    for sample_at, source, value, _paused in metrics_repo.load_series(session, since):
+    for sample_at, source, value, _paused in fleet_stats.load_series(session, since):
         load[source].append([sample_at, value])
     return {
         "bucket_seconds": step,
@@ -90,16 +90,16 @@ def data(
     at = time.time()
     batches, _ = batches_service.page(session, tenant_id, after=None, limit=limit)
     bills = usage_service.bills(session, settings, batches)
-    state = metrics_repo.scheduler_state(session)
+    state = fleet_stats.scheduler_state(session)
     load_now = {
-        key[len(metrics_repo.LOAD_PREFIX) :]: metrics_repo.load_of(value)
+        key[len(fleet_stats.LOAD_PREFIX) :]: fleet_stats.load_of(value)
         for key, value in sorted(state.items())
-        if key.startswith(metrics_repo.LOAD_PREFIX)
+        if key.startswith(fleet_stats.LOAD_PREFIX)
     }
     return {
         "generated_at": at,
         "window_seconds": settings.metrics_window_seconds,
-        "paused": sorted(pool for pool, on in metrics_repo.pauses(state).items() if on),
+        "paused": sorted(pool for pool, on in fleet_stats.pauses(state).items() if on),
         "load": load_now,
         "batches": [BatchObject.of(b, bills[b.id]).model_dump() for b in batches],
         "models": _models(session, settings, at),

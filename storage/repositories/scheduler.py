@@ -5,7 +5,7 @@ heartbeats.
 ``scheduler_state`` keys: ``paused`` (every pool) and ``paused:<pool>`` hold the admin switch
 (``{"paused", "hard", "reason", "at"}``); ``load:<pool>`` the pool's last load reading
 (``{"load", "parts", "errors", "paused", "gate_open", "worker", ...}``). The metrics and the
-dashboard read the same keys (``storage.repositories.metrics``).
+dashboard read the same keys (``storage.repositories.fleet_stats``).
 """
 
 from __future__ import annotations

@@ -38,15 +38,14 @@ from offpeak.ids import now as unix_now
 from offpeak.settings import Settings
 from storage.errors import TRANSIENT_DB_ERRORS
 from storage.repositories.requests import ClaimedRequest, FinishedLine
-from workers import lifecycle
-from workers import metrics as worker_metrics
+from workers import lifecycle, worker_metrics
 from workers.engine.base import Engine, EngineFault
 from workers.planner import StepModel
 from workers.runner import results
 from workers.runner.admission import prepare_chunk
 from workers.runner.held import HeldLine, HeldLines
 from workers.runner.writeback import ResultWriter
-from workers.scheduler import metrics
+from workers.scheduler import scheduler_metrics as metrics
 from workers.scheduler.chunking import claim_size, engine_room, size_for
 from workers.scheduler.clock import Clock, WallClock
 from workers.scheduler.heartbeat import LeaseHeartbeat

@@ -15,7 +15,7 @@ from offpeak.settings import Settings
 from storage.errors import TRANSIENT_DB_ERRORS
 from storage.repositories.chunks import BatchTokens
 from storage.repositories.requests import ClaimedRequest, FinishedLine
-from workers import metrics as worker_metrics
+from workers import worker_metrics
 from workers.scheduler.store import WorkStore, WriteBack, WriteBackReport
 
 log = logging.getLogger(__name__)

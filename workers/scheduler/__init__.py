@@ -5,6 +5,7 @@
 - ``hysteresis``: low- and high-water marks, so batch work does not flap on and off.
 - ``slack``: each batch's estimated completion time and slack; urgent batches run regardless.
 - ``chunking``: claim sizing from the engine's room and prefix-grouped ordering of a chunk.
+- ``scheduler_metrics``: the scheduler's Prometheus gauges and counters (load, gate, slack, slots).
 - ``store``: where request lines come from and results go (PostgreSQL; an in-memory store in
   the simulation); ``clock``: real or virtual time.
 

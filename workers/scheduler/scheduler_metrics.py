@@ -1,8 +1,10 @@
-"""The scheduler's Prometheus metrics, in the process's default registry.
+"""The scheduler's Prometheus metrics (load, gate, pause, slack, slots, yields), in the process's
+default registry.
 
-A worker exposes them on its own metrics endpoint (``OFFPEAK_METRICS_PORT``) next to whatever
-else registers there; the API's ``/metrics`` reads the same facts from the database (each batch's
-``estimated_completion_at``, the ``load:<pool>`` state).
+A worker exposes them on its own metrics endpoint (``OFFPEAK_METRICS_PORT``,
+``workers.worker_metrics``) next to whatever else registers there; the API's fleet-wide
+``/metrics`` (``api.services.fleet_metrics``) reads the same facts from the database (each
+batch's ``estimated_completion_at``, the ``load:<pool>`` state).
 """
 
 from __future__ import annotations
@@ -77,5 +79,5 @@ def observe_estimates(model: str, estimates: Iterable[Estimate], ended: Iterable
 
 def observe_prefix_hit_rate(model: str, hit_rate: float) -> None:
     """The worker's running cached / prompt tokens ratio (the token counters themselves are
-    ``offpeak_worker_tokens_total{kind="prompt"|"cached"}``, ``workers.metrics``)."""
+    ``offpeak_worker_tokens_total{kind="prompt"|"cached"}``, ``workers.worker_metrics``)."""
     PREFIX_HIT_RATE.labels(model).set(hit_rate)

@@ -1,7 +1,7 @@
 """A worker's own Prometheus endpoint and the load-signal history.
 
 Each worker process can serve ``/metrics`` on ``settings.metrics_port`` (0: off), next to the
-API's fleet-wide endpoint:
+API's fleet-wide endpoint (``api.services.fleet_metrics``):
 
 - every worker: process metrics, and the batches it billed (``offpeak_worker_batches_billed_total``,
   ``offpeak_worker_billing_failures_total``, ``offpeak_worker_batch_completion_window_share``);
@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 
 from offpeak.settings import Settings
 from storage.db import session_scope
-from storage.repositories import metrics as metrics_repo
+from storage.repositories import fleet_stats
 from storage.repositories.ledger import WINDOW_SHARE_BUCKETS
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class EngineCollector(Collector):
         )
         try:
             with session_scope(self.settings.resolved_database_url) as session:
-                rows = metrics_repo.engine_window(session, time.time() - window, self.worker_id)
+                rows = fleet_stats.engine_window(session, time.time() - window, self.worker_id)
         except Exception:  # a scrape must not take the worker down with the database
             log.exception("worker metrics: database unavailable")
             rows = []
@@ -166,17 +166,17 @@ def sample_load(settings: Settings, at: float | None = None) -> int:
     drop samples older than ``load_history_hours``. Returns the number of samples written."""
     at = time.time() if at is None else at
     with session_scope(settings.resolved_database_url) as session:
-        state = metrics_repo.scheduler_state(session)
-        paused = metrics_repo.paused_of(state.get(metrics_repo.PAUSED_KEY))
+        state = fleet_stats.scheduler_state(session)
+        paused = fleet_stats.paused_of(state.get(fleet_stats.PAUSED_KEY))
         samples = []
         for key, value in state.items():
-            load = metrics_repo.load_of(value)
-            if key.startswith(metrics_repo.LOAD_PREFIX) and load is not None:
-                source = key[len(metrics_repo.LOAD_PREFIX) :]
+            load = fleet_stats.load_of(value)
+            if key.startswith(fleet_stats.LOAD_PREFIX) and load is not None:
+                source = key[len(fleet_stats.LOAD_PREFIX) :]
                 # A reading says whether its pool was paused; older or foreign ones may not.
                 held = value.get("paused") if isinstance(value, dict) else None
                 flag = paused if held is None else bool(held)
                 samples.append({"at": at, "source": source, "load": load, "paused": flag})
-        metrics_repo.add_load_samples(session, samples)
-        metrics_repo.prune_load_samples(session, at - settings.load_history_hours * 3600)
+        fleet_stats.add_load_samples(session, samples)
+        fleet_stats.prune_load_samples(session, at - settings.load_history_hours * 3600)
     return len(samples)

@@ -1,5 +1,7 @@
-"""Queries behind ``/metrics`` and the dashboard: queue depth, engine throughput over a recent
-window, batches per status, the scheduler's shared state, and the load-signal history.
+"""The fleet's statistics, the queries behind ``/metrics`` and the dashboard
+(``api.services.fleet_metrics``, ``api.services.dashboard``, ``workers.worker_metrics``): queue
+depth, engine throughput over a recent window, batches per status, the scheduler's shared state,
+and the load-signal history.
 
 Every query is bounded by an index (request status, chunk start time, sample time), so a scrape
 costs the same on a database with a year of history as on a new one.

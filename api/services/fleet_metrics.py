@@ -50,8 +50,8 @@ from sqlalchemy.orm import Session
 from offpeak import pricing
 from offpeak.settings import Settings
 from storage.db import session_scope
+from storage.repositories import fleet_stats
 from storage.repositories import ledger as ledger_repo
-from storage.repositories import metrics as metrics_repo
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def _queue(session: Session, at: float) -> Iterator[Metric]:
         labels=["model"],
     )
     queued_bytes: dict[str, int] = defaultdict(int)
-    for model, status, count, size in metrics_repo.queue_depth(session):
+    for model, status, count, size in fleet_stats.queue_depth(session):
         requests.add_metric([model, status], count)
         queued_bytes[model] += size
     for model, size in queued_bytes.items():
@@ -108,7 +108,7 @@ def _queue(session: Session, at: float) -> Iterator[Metric]:
         labels=["model"],
     )
     waits: dict[str, list[tuple[float, int]]] = defaultdict(list)
-    for model, since, count in metrics_repo.pending_since(session):
+    for model, since, count in fleet_stats.pending_since(session):
         waits[model].append((max(at - since, 0.0), count))
     for model, rows in waits.items():
         buckets = [(_le(b), sum(n for w, n in rows if w <= b)) for b in WAIT_BUCKETS]
@@ -141,7 +141,7 @@ def _engines(session: Session, settings: Settings, at: float) -> Iterator[Metric
         labels=["model"],
     )
     per_model: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
-    for row in metrics_repo.engine_window(session, at - window):
+    for row in fleet_stats.engine_window(session, at - window):
         busy.add_metric([row.model, row.worker_id, row.device], min(row.busy_seconds / window, 1))
         sums = per_model[row.model]
         sums[0] += row.prompt_tokens
@@ -157,7 +157,7 @@ def _engines(session: Session, settings: Settings, at: float) -> Iterator[Metric
 
 
 def _batches(session: Session, at: float) -> Iterator[Metric]:
-    counts = metrics_repo.batches_by_status(session)
+    counts = fleet_stats.batches_by_status(session)
     batches = GaugeMetricFamily("offpeak_batches", "Batches per status.", labels=["status"])
     for status in sorted({*STATUSES, *counts}):
         batches.add_metric([status], counts.get(status, 0))
@@ -208,21 +208,21 @@ def _ledger(session: Session) -> Iterator[Metric]:
 
 
 def _scheduler(session: Session) -> Iterator[Metric]:
-    state = metrics_repo.scheduler_state(session)
+    state = fleet_stats.scheduler_state(session)
     load = GaugeMetricFamily(
         "offpeak_load", "The real-time load signal the scheduler reads.", labels=["source"]
     )
     for key, value in sorted(state.items()):
-        reading = metrics_repo.load_of(value)
-        if key.startswith(metrics_repo.LOAD_PREFIX) and reading is not None:
-            load.add_metric([key[len(metrics_repo.LOAD_PREFIX) :]], reading)
+        reading = fleet_stats.load_of(value)
+        if key.startswith(fleet_stats.LOAD_PREFIX) and reading is not None:
+            load.add_metric([key[len(fleet_stats.LOAD_PREFIX) :]], reading)
     yield load
     paused = GaugeMetricFamily(
         "offpeak_batch_work_paused",
         "1 while the admin switch pauses batch work (pool * : every pool).",
         labels=["pool"],
     )
-    for pool, on in sorted(metrics_repo.pauses(state).items()):
+    for pool, on in sorted(fleet_stats.pauses(state).items()):
         paused.add_metric([pool], float(on))
     yield paused
 
