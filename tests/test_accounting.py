@@ -19,9 +19,9 @@ from offpeak import client_tools
 from offpeak.settings import ModelConfig, ModelPricing, Settings
 from storage.db import session_scope
 from storage.models import EngineChunk, EngineChunkBatch, LedgerEntry
-from storage.repositories import chunks as chunks_repo
+from storage.repositories import engine_chunks
 from storage.repositories import ledger as ledger_repo
-from storage.repositories.chunks import BatchTokens
+from storage.repositories.engine_chunks import BatchTokens
 from storage.repositories.ledger import TokenWeights
 from tests import accounting_helpers as helpers
 from tests.accounting_helpers import AcctTenant as Tenant
@@ -80,7 +80,7 @@ def test_attribution_of_a_shared_chunk_follows_the_rule_and_adds_up(
     a, b = make(settings, tenant, 1, MANUAL, "a"), make(settings, tenant, 1, MANUAL, "b")
     weights = TokenWeights(prefill=0.25, cached=0.0, decode=1.0)
     with session_scope(settings.resolved_database_url) as session:
-        chunk = chunks_repo.record(
+        chunk = engine_chunks.record(
             session,
             worker_id="w",
             model=MODEL,
@@ -96,7 +96,7 @@ def test_attribution_of_a_shared_chunk_follows_the_rule_and_adds_up(
             },
         )
         shares = ledger_repo.chunk_shares(session, chunk, weights)
-        idle = chunks_repo.record(
+        idle = engine_chunks.record(
             session,
             worker_id="w",
             model=MODEL,

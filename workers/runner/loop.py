@@ -48,8 +48,8 @@ from workers.runner.writeback import ResultWriter
 from workers.scheduler import scheduler_metrics as metrics
 from workers.scheduler.chunking import claim_size, engine_room, size_for
 from workers.scheduler.clock import Clock, WallClock
-from workers.scheduler.heartbeat import LeaseHeartbeat
 from workers.scheduler.hysteresis import Gate
+from workers.scheduler.lease_heartbeat import LeaseHeartbeat
 from workers.scheduler.signals import BackgroundMonitor, LoadMonitor, build_signals
 from workers.scheduler.slack import Estimate, calibrated, refresh_estimates
 from workers.scheduler.store import DbStore, WorkStore

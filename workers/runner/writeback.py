@@ -1,7 +1,7 @@
 """Write-back: the runner's finished lines go to the store with the engine time they took.
 
 Results wait here until a write-back stores them in one transaction with the engine chunk
-(busy seconds split by token counts, ``storage.repositories.chunks``) and a lease renewal. A
+(busy seconds split by token counts, ``storage.repositories.engine_chunks``) and a lease renewal. A
 database outage only delays them: they stay here for the next try. Lines handed back to pending
 go through ``release``.
 """
@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable
 
 from offpeak.settings import Settings
 from storage.errors import TRANSIENT_DB_ERRORS
-from storage.repositories.chunks import BatchTokens
+from storage.repositories.engine_chunks import BatchTokens
 from storage.repositories.requests import ClaimedRequest, FinishedLine
 from workers import worker_metrics
 from workers.scheduler.store import WorkStore, WriteBack, WriteBackReport

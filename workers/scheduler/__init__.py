@@ -8,6 +8,8 @@
 - ``scheduler_metrics``: the scheduler's Prometheus gauges and counters (load, gate, slack, slots).
 - ``store``: where request lines come from and results go (PostgreSQL; an in-memory store in
   the simulation); ``clock``: real or virtual time.
+- ``lease_heartbeat``: renews the leases of a worker's lines during a long engine step (the
+  worker's own is-alive heartbeat is ``workers.liveness``).
 
 The loop that ties them together is ``workers.runner.Runner``; the policy is described for
 operators in ``docs/scheduling.md``. The simulated day (``offpeak simulate day``, in the ``sim``

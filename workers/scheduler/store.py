@@ -13,10 +13,10 @@ from typing import Any, Protocol
 
 from storage.db import session_scope
 from storage.repositories import batches as batches_repo
-from storage.repositories import chunks as chunks_repo
+from storage.repositories import engine_chunks
 from storage.repositories import requests as requests_repo
 from storage.repositories import scheduler as scheduler_repo
-from storage.repositories.chunks import BatchTokens
+from storage.repositories.engine_chunks import BatchTokens
 from storage.repositories.requests import ClaimedRequest, FinishedLine
 from storage.repositories.scheduler import BatchBacklog, EngineHistory
 from workers.scheduler.signals import PauseState
@@ -148,7 +148,7 @@ class DbStore:
         with session_scope(self.url) as session:
             requests_repo.write_results(session, write.owner, write.results)
             if write.per_batch:
-                chunks_repo.record(
+                engine_chunks.record(
                     session,
                     worker_id=write.owner,
                     model=write.model,
