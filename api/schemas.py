@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from offpeak import wire
+from offpeak import endpoints
 from offpeak.pricing import Bill
 from storage.models import Batch, File
 
@@ -203,7 +203,7 @@ class CreateBatch(BaseModel):
 
     input_file_id: str
     # The enum documents the served endpoints; other values get the service's own 400.
-    endpoint: str = Field(json_schema_extra={"enum": list(wire.BATCH_ENDPOINTS)})
+    endpoint: str = Field(json_schema_extra={"enum": list(endpoints.BATCH_ENDPOINTS)})
     completion_window: str
     metadata: dict[str, Any] | None = None
     output_expires_after: dict[str, Any] | None = None

@@ -1,24 +1,17 @@
-"""The OpenAI wire format, in one place: error bodies, batch output/error lines and the
-``chat.completion`` / ``text_completion`` response bodies.
+"""The OpenAI wire format both sides share: error bodies, batch error codes, the batch output
+and error lines, and the ``usage`` of a response body. Each endpoint's own body (``chat.completion``
+…) is rendered by its module in ``offpeak.endpoints``.
 
 Shapes follow OpenAI's public API reference (Batch API, Chat Completions, Completions) as summed
-up in ``shared/docs/batch-api.md``. Both the API and the workers build their JSON here.
+up in ``shared/docs/batch-api.md``.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import orjson
-
-from offpeak.ids import new_id
-
-CHAT_COMPLETIONS = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-#: Endpoints a batch may target here.
-BATCH_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS)
-#: Endpoints OpenAI accepts for batches that this server does not run (yet): a clear 400.
-UNSUPPORTED_BATCH_ENDPOINTS = ("/v1/embeddings", "/v1/responses")
 
 #: Error codes on ``batch.errors.data`` (OpenAI's where it has one; ours where it is silent).
 INVALID_JSON_LINE = "invalid_json_line"
@@ -53,29 +46,40 @@ def batch_error(
     return {"code": code, "message": message, "param": param, "line": line}
 
 
-def response_line(custom_id: str, status_code: int, body: dict[str, Any]) -> bytes:
+def response_line(
+    custom_id: str, status_code: int, body: dict[str, Any], *, line_id: str, request_id: str
+) -> bytes:
     """A line for a request the endpoint answered: 200 goes to the output file, 4xx/5xx
-    (``body`` is an error object) to the error file. Returns the JSON bytes, no newline."""
+    (``body`` is an error object) to the error file. ``line_id`` is its ``batch_req_…`` id,
+    ``request_id`` its ``req_…``. Returns the JSON bytes, no newline."""
     return orjson.dumps(
         {
-            "id": new_id("batch_req_"),
+            "id": line_id,
             "custom_id": custom_id,
-            "response": {"status_code": status_code, "request_id": new_id("req_"), "body": body},
+            "response": {"status_code": status_code, "request_id": request_id, "body": body},
             "error": None,
         }
     )
 
 
-def never_ran_line(custom_id: str, code: str, message: str) -> bytes:
+def never_ran_line(custom_id: str, code: str, message: str, *, line_id: str) -> bytes:
     """An error-file line for a request that never ran (``batch_expired``, ``batch_cancelled``)."""
     return orjson.dumps(
         {
-            "id": new_id("batch_req_"),
+            "id": line_id,
             "custom_id": custom_id,
             "response": None,
             "error": {"code": code, "message": message},
         }
     )
+
+
+def derived_id(prefix: str, *parts: str) -> str:
+    """``prefix`` + 24 hex digits that depend only on ``parts``: the same id each time a line
+    with nothing stored is written (the never-ran lines of a batch, by batch id and custom_id),
+    as long as a random id (``offpeak.ids.new_id``) and as unlikely to collide."""
+    digest = hashlib.blake2b("\x00".join(parts).encode(), digest_size=12).hexdigest()
+    return f"{prefix}{digest}"
 
 
 def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -86,41 +90,4 @@ def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int)
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
         "completion_tokens_details": {"reasoning_tokens": 0},
-    }
-
-
-def chat_completion(
-    model: str,
-    created: int,
-    choices: list[dict[str, Any]],
-    usage: dict[str, Any],
-) -> dict[str, Any]:
-    """A ``chat.completion`` body. Each choice: ``{index, message, logprobs, finish_reason}``."""
-    return {
-        "id": new_id("chatcmpl-"),
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage,
-        "system_fingerprint": None,
-        "service_tier": "default",
-    }
-
-
-def text_completion(
-    model: str,
-    created: int,
-    choices: list[dict[str, Any]],
-    usage: dict[str, Any],
-) -> dict[str, Any]:
-    """A ``text_completion`` body. Each choice: ``{index, text, logprobs, finish_reason}``."""
-    return {
-        "id": new_id("cmpl-"),
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage,
-        "system_fingerprint": None,
     }

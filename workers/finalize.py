@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
-from offpeak import wire
+from offpeak import endpoints, wire
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings
 from storage.blobs import BlobStore
@@ -47,20 +47,25 @@ class Step:
 def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
     """Stream the batch's rows into its output and error files and record them, once: the blob
     keys are fixed, so a re-run overwrites the bytes, and reuses the file rows it finds under them
-    (a unique index on live blob keys backs this up)."""
+    (a unique index on live blob keys backs this up).
+
+    Each line is rendered in OpenAI's shape from the row's record (``offpeak.endpoints``), whose
+    ids were fixed when the line finished; a never-ran line's id is derived from the batch and
+    its custom_id. A re-run therefore writes the same bytes."""
     out_key, err_key = f"outputs/{batch.id}/output.jsonl", f"outputs/{batch.id}/errors.jsonl"
     out_bytes = err_bytes = 0
     with blobs.writer(out_key) as out, blobs.writer(err_key) as err:
         for custom_id, status, result in requests_repo.iter_finished(session, batch.id):
             if status == "succeeded":
-                line = result.encode() if result else b""
+                line = endpoints.openai_line(custom_id, result) if result else b""
                 out.write(line + b"\n")
                 out_bytes += len(line) + 1
                 continue
             if status == "failed" and result:
-                line = result.encode()
+                line = endpoints.openai_line(custom_id, result)
             elif status in _NEVER_RAN:
-                line = wire.never_ran_line(custom_id, *_NEVER_RAN[status])
+                line_id = wire.derived_id("batch_req_", batch.id, custom_id)
+                line = wire.never_ran_line(custom_id, *_NEVER_RAN[status], line_id=line_id)
             else:
                 continue  # pending/running rows do not exist once a batch is ending
             err.write(line + b"\n")

@@ -17,7 +17,7 @@ import psycopg
 from sqlalchemy.exc import DataError
 from sqlalchemy.orm import Session
 
-from offpeak import wire
+from offpeak import endpoints, wire
 from offpeak.ids import now
 from offpeak.settings import Settings
 from storage.blobs import BlobStore
@@ -30,7 +30,6 @@ from storage.repositories import requests as requests_repo
 log = logging.getLogger(__name__)
 
 _BOM = b"\xef\xbb\xbf"
-_REQUIRED_BODY_FIELD = {wire.CHAT_COMPLETIONS: "messages", wire.COMPLETIONS: "prompt"}
 
 
 @dataclass
@@ -70,6 +69,11 @@ def _clean(line: bytes, number: int) -> bytes:
 class _Checker:
     def __init__(self, endpoint: str, served_models: set[str], settings: Settings) -> None:
         self.endpoint = endpoint
+        # The endpoint's own rules run when a line runs (each fails that line alone); the file
+        # is checked only for what makes a line unrunnable. An unknown endpoint requires
+        # nothing here: the runner fails its lines with ``invalid_url``.
+        served = endpoints.ENDPOINTS.get(endpoint)
+        self.required_fields = served.required_fields if served else ()
         self.served = served_models
         self.settings = settings
         self.model: str | None = None
@@ -172,14 +176,14 @@ class _Checker:
                 number,
                 "body.model",
             )
-        needed = _REQUIRED_BODY_FIELD[self.endpoint]
-        if body.get(needed) is None:
-            return wire.batch_error(
-                wire.MISSING_REQUIRED_PARAMETER,
-                f"body.{needed} is required for {self.endpoint}.",
-                number,
-                f"body.{needed}",
-            )
+        for needed in self.required_fields:
+            if body.get(needed) is None:
+                return wire.batch_error(
+                    wire.MISSING_REQUIRED_PARAMETER,
+                    f"body.{needed} is required for {self.endpoint}.",
+                    number,
+                    f"body.{needed}",
+                )
         return None
 
 

@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, Conflict, NotFound
 from api.schemas import CreateBatch
-from offpeak import queues, wire
+from offpeak import endpoints, queues
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings, window_seconds
 from storage.db import after_commit
@@ -46,17 +46,16 @@ def create(session: Session, settings: Settings, tenant_id: str, request: Create
 
     Raises ``NotFound`` (input file), ``BadRequest`` (endpoint, window, metadata, purpose).
     """
-    if request.endpoint in wire.UNSUPPORTED_BATCH_ENDPOINTS:
+    served = ", ".join(endpoints.BATCH_ENDPOINTS)
+    if request.endpoint in endpoints.UNSERVED_BATCH_ENDPOINTS:
         raise BadRequest(
-            f"The endpoint {request.endpoint} is not served by this server; "
-            f"use one of {', '.join(wire.BATCH_ENDPOINTS)}.",
+            f"The endpoint {request.endpoint} is not served by this server; use one of {served}.",
             param="endpoint",
             code="unsupported_endpoint",
         )
-    if request.endpoint not in wire.BATCH_ENDPOINTS:
+    if request.endpoint not in endpoints.ENDPOINTS:
         raise BadRequest(
-            f"Invalid endpoint {request.endpoint!r}: use one of {', '.join(wire.BATCH_ENDPOINTS)}.",
-            param="endpoint",
+            f"Invalid endpoint {request.endpoint!r}: use one of {served}.", param="endpoint"
         )
     if request.completion_window not in settings.allowed_completion_windows:
         raise BadRequest(

@@ -2,7 +2,7 @@
 
 The runner owns scheduling (what to admit, when to abort); an engine only tokenizes, accepts
 requests and advances one step of continuous batching at a time. Token ids in, token ids and text
-out; the OpenAI wire format is built elsewhere (``offpeak.wire``).
+out; request bodies and output lines are the endpoints' (``offpeak.endpoints``).
 """
 
 from __future__ import annotations
@@ -10,24 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+# One definition of sampling for both sides: endpoints (in the core) build it, engines take it.
+from offpeak.endpoints.base import SamplingSpec
 
-@dataclass(frozen=True)
-class SamplingSpec:
-    """Sampling for one request, already checked against OpenAI's ranges.
-
-    ``logprobs``: ``None`` for none; ``k >= 0`` for the sampled token's log-probability plus the
-    ``k`` most likely alternatives at each position.
-    """
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+__all__ = [
+    "Completion",
+    "Engine",
+    "EngineFault",
+    "EngineRequest",
+    "EngineResult",
+    "SamplingSpec",
+    "TokenLogprob",
+    "TopLogprob",
+]
 
 
 @dataclass

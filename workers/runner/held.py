@@ -93,12 +93,9 @@ class HeldLines:
         return taken
 
     def engine_needs(self) -> list[tuple[int, int]]:
-        """``(prompt tokens, max new tokens)`` per sequence held (``n`` per line), for sizing."""
-        return [
-            (len(h.prepared.request.prompt_token_ids), h.prepared.request.sampling.max_tokens)
-            for h in self.all()
-            for _ in range(h.prepared.request.sampling.n)
-        ]
+        """``(prompt tokens, max new tokens)`` per sequence held, for sizing: what each line's
+        endpoint says it needs (``Endpoint.engine_needs``; ``n`` sequences for text)."""
+        return [need for h in self.all() for need in h.prepared.needs]
 
     def admit(
         self,

@@ -1,10 +1,10 @@
 """A request line's end as the runner records it (``FinishedLine``): answered, failed alone, or
-stopped before it ran. The body of an answer is built by ``workers.serving``; this module adds
-the batch line around it and the line's token counts."""
+stopped before it ran. Its ``result`` is the neutral record (``offpeak.endpoints.records``) that
+finalize renders as the output or error line; this module adds the line's token counts."""
 
 from __future__ import annotations
 
-from offpeak import wire
+from offpeak.endpoints import records
 from storage.repositories.requests import ClaimedRequest, FinishedLine, TokenCounts
 from workers import serving
 from workers.engine.base import EngineResult
@@ -14,33 +14,32 @@ from workers.serving import LineError, Prepared
 def succeeded(
     row: ClaimedRequest, prepared: Prepared, result: EngineResult, created: int, at: float
 ) -> FinishedLine:
-    """The output line of an answered request; ``created`` (unix seconds) goes in its body."""
-    body = serving.response_body(prepared, result, created)
-    usage = body["usage"]
+    """The record of an answered request; ``created`` (unix seconds) goes in its body."""
+    answer = serving.answer(prepared, result, created)
     return FinishedLine(
         id=row.id,
         batch_id=row.batch_id,
         status="succeeded",
         finished_at=at,
         status_code=200,
-        result=wire.response_line(row.custom_id, 200, body).decode(),
+        result=records.dump(answer),
         tokens=TokenCounts(
-            prompt=usage["prompt_tokens"],
-            cached=usage["prompt_tokens_details"]["cached_tokens"],
-            completion=usage["completion_tokens"],
+            prompt=answer.prompt_tokens,
+            cached=answer.cached_tokens,
+            completion=answer.completion_tokens,
         ),
     )
 
 
 def failed(row: ClaimedRequest, error: LineError, at: float) -> FinishedLine:
-    """The error line of a request that failed alone (``error.status_code``)."""
+    """The record of a request that failed alone (``error.status_code``)."""
     return FinishedLine(
         id=row.id,
         batch_id=row.batch_id,
         status="failed",
         finished_at=at,
         status_code=error.status_code,
-        result=wire.response_line(row.custom_id, error.status_code, error.body()).decode(),
+        result=records.dump(records.failure(error)),
     )
 
 

@@ -1,0 +1,88 @@
+"""Pieces the text-generation endpoints' body models share: the limits of OpenAI's sampling
+parameters, the checks pydantic cannot state (``stop``, parameters this server refuses), and the
+``SamplingSpec`` built from a parsed body.
+
+Limits follow OpenAI's API reference (Chat Completions / Completions, "Request body").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from pydantic import ConfigDict, ValidationInfo
+
+from offpeak.endpoints.base import SamplingSpec
+from offpeak.endpoints.errors import fail
+
+#: Body models: strict types (``"8"`` is not an integer, ``true`` not a number), and unknown
+#: parameters allowed, as OpenAI's endpoints ignore parameters they do not know.
+BODY_CONFIG = ConfigDict(strict=True, extra="allow")
+MAX_N = 128
+MAX_STOP = 4
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def unsupported(value: Any, info: ValidationInfo) -> Any:
+    """Refuse a parameter that is set (truthy): it changes what an answer means and this server
+    cannot honour it, so refusing the line beats silently answering something else."""
+    if value:
+        name = info.field_name
+        raise fail("unsupported_parameter", f"'{name}' is not supported by this server.", name)
+    return value
+
+
+def stop_sequences(stop: Any) -> tuple[str, ...]:
+    """``stop`` (a string, a list of at most ``MAX_STOP`` strings, or null) as a tuple of the
+    non-empty stop strings."""
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise fail("invalid_type", "Invalid 'stop': expected a string or a list of strings.")
+    if len(stops) > MAX_STOP:
+        raise fail("invalid_value", f"Invalid 'stop': at most {MAX_STOP} sequences.")
+    return tuple(s for s in stops if s)
+
+
+def positive_top_p(top_p: float | None) -> float | None:
+    # ``ge=0`` words the range as OpenAI does; 0 itself would sample from nothing.
+    if top_p == 0:
+        raise fail("invalid_value", "Invalid 'top_p': must be greater than 0.", "top_p")
+    return top_p
+
+
+def check_best_of(best_of: int | None, n: int | None) -> None:
+    """``best_of`` is accepted only where it changes nothing (equal to ``n``)."""
+    if best_of not in (None, n or 1):
+        raise fail("unsupported_value", "'best_of' other than n is not supported.", "best_of")
+
+
+class SamplingFields(Protocol):
+    """The sampling parameters both text endpoints' bodies carry."""
+
+    n: int | None
+    temperature: float | None
+    top_p: float | None
+    stop: tuple[str, ...]
+    seed: int | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+
+
+def sampling(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingSpec:
+    """The ``SamplingSpec`` of a parsed body, with OpenAI's defaults for what it leaves out."""
+    return SamplingSpec(
+        max_tokens=max_tokens,
+        temperature=_or(body.temperature, 1.0),
+        top_p=_or(body.top_p, 1.0),
+        n=body.n or 1,
+        stop=body.stop,
+        seed=body.seed,
+        logprobs=logprobs,
+        presence_penalty=_or(body.presence_penalty, 0.0),
+        frequency_penalty=_or(body.frequency_penalty, 0.0),
+    )
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else float(value)
