@@ -130,3 +130,23 @@ def test_nul_in_custom_id_is_a_line_error(settings: Settings) -> None:
         ("invalid_request", 2, "custom_id")
     ]
     assert rows == 0
+
+
+def test_required_body_fields_are_the_endpoints(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Validation asks the registry what a line's body must carry: a new endpoint's fields."""
+    from offpeak import endpoints
+    from offpeak.endpoints.completions import Completions
+
+    class Needy(Completions):
+        url = "/v1/needy"
+        required_fields = ("prompt", "suffix_text")
+
+    monkeypatch.setitem(endpoints.ENDPOINTS, Needy.url, Needy())
+    good = line("a", url=Needy.url, body={"model": MODEL, "prompt": "x", "suffix_text": "y"})
+    bad = line("b", url=Needy.url, body={"model": MODEL, "prompt": "x"})
+    batch, _ = validate(settings, good + b"\n" + bad, Needy.url)
+    assert [(e["code"], e["line"], e["param"]) for e in batch.errors] == [
+        ("missing_required_parameter", 2, "body.suffix_text")
+    ]

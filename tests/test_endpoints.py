@@ -1,0 +1,375 @@
+"""The endpoint registry (``offpeak.endpoints``) and the neutral records stored for finished
+lines: what each endpoint declares, that a new endpoint is one class and one registry entry,
+that records render to OpenAI's lines exactly, and that writing a batch's files again writes the
+same bytes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from typing import Any
+
+import orjson
+import pytest
+from fastapi.testclient import TestClient
+from openai import OpenAI
+from pydantic import BaseModel, ConfigDict
+
+from api.app import create_app
+from api.services import batches as batches_service
+from offpeak import endpoints
+from offpeak.endpoints import Endpoint, EngineInput, SamplingSpec, Tokenizer, records
+from offpeak.endpoints.records import Answer, CompletionRecord, Failure, TokenLogprob
+from offpeak.settings import ModelConfig, Settings
+from storage.blobs import get_blob_store
+from storage.db import session_scope
+from storage.repositories import batches as batches_repo
+from storage.repositories import requests as requests_repo
+from tests.conftest import new_key
+from tests.helpers import check_ran_batch, line, validate
+from workers import serving
+from workers.engine.instant import InstantEngine
+from workers.finalize import _write_files, finalize
+from workers.runner import results
+from workers.runner.held import HeldLine, HeldLines
+from workers.serving import LineError
+
+MODEL = "endpoints-model"
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+def test_the_registry_names_each_endpoint_by_its_url() -> None:
+    assert endpoints.BATCH_ENDPOINTS == (CHAT, COMPLETIONS)
+    assert not set(endpoints.BATCH_ENDPOINTS) & set(endpoints.UNSERVED_BATCH_ENDPOINTS)
+    for url, endpoint in endpoints.ENDPOINTS.items():
+        assert endpoint.url == url and endpoints.get(url) is endpoint
+        assert issubclass(endpoint.body_model, BaseModel)
+        assert set(endpoint.required_fields) <= set(endpoint.body_model.model_fields)
+    with pytest.raises(LineError) as info:
+        endpoints.get("/v1/embeddings")
+    assert (info.value.code, info.value.param) == ("invalid_url", "url")
+
+
+def test_the_core_registry_needs_no_workers_nor_engine() -> None:
+    """The API asks the registry, and the API must start without ``workers``, vLLM or torch."""
+    code = (
+        "import sys, offpeak.endpoints, api.services.batches; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'workers', 'vllm', 'torch'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# --- A new endpoint: one class, one entry ----------------------------------------------------
+
+
+class EchoRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str
+    text: str
+
+
+class Echo(Endpoint[EchoRequest]):
+    """A toy endpoint that reads a text and generates nothing, like embeddings would."""
+
+    url = "/v1/echo"
+    body_model = EchoRequest
+    required_fields = ("text",)
+    response_id_prefix = "echo-"
+
+    def engine_input(self, body: EchoRequest, tokenizer: Tokenizer) -> EngineInput:
+        return EngineInput(tokenizer.encode_text(body.text), SamplingSpec(max_tokens=1))
+
+    def engine_needs(self, engine_input: EngineInput) -> tuple[tuple[int, int], ...]:
+        return ((len(engine_input.prompt_token_ids), 0),)
+
+    def render(self, answer: Answer) -> dict[str, Any]:
+        return {"id": answer.response_id, "object": "echo", "tokens": answer.prompt_tokens}
+
+
+def test_a_new_endpoint_is_one_class_and_one_registry_entry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(endpoints.ENDPOINTS, Echo.url, Echo())
+    engine = InstantEngine("m")
+    prepared = serving.prepare("1", Echo.url, {"model": "m", "text": "hello"}, engine)
+    with pytest.raises(LineError) as info:
+        serving.prepare("2", Echo.url, {"model": "m", "text": 5}, engine)
+    assert (info.value.code, info.value.param) == ("invalid_type", "text")
+    held = HeldLines()
+    held.queue([HeldLine(None, prepared)])  # type: ignore[arg-type]
+    assert held.engine_needs() == [(5, 0)]  # sizing asks the endpoint, not max_tokens
+    engine.add(prepared.request)
+    (result,) = engine.step()
+    stored = records.dump(serving.answer(prepared, result, created=1))
+    line = orjson.loads(endpoints.openai_line("c1", stored))
+    assert line["response"]["body"]["object"] == "echo"
+    assert line["response"]["body"]["tokens"] == 5
+
+
+def test_text_endpoints_need_n_sequences_of_max_tokens() -> None:
+    body = {"model": "m", "prompt": [1, 2, 3], "n": 3, "max_tokens": 7}
+    prepared = serving.prepare("1", COMPLETIONS, body, InstantEngine("m"))
+    assert prepared.needs == ((3, 7),) * 3
+
+
+# --- Records rendered as OpenAI's lines ------------------------------------------------------
+
+IDS = {"line_id": "batch_req_1", "request_id": "req_1"}
+LOGPROBS = [
+    TokenLogprob(token="Hé", logprob=-0.5, top=[("Hé", -0.5), ("a", None)]),
+    TokenLogprob(token="!", logprob=None),
+]
+
+
+def answer(endpoint: str, logprobs: bool) -> Answer:
+    return Answer(
+        endpoint=endpoint,
+        model="m",
+        created=1_700_000_000,
+        line_id="batch_req_1",
+        request_id="req_1",
+        response_id="resp-1",
+        prompt_tokens=7,
+        cached_tokens=3,
+        completions=[
+            CompletionRecord(
+                text="Hé!", finish_reason="stop", tokens=2, logprobs=LOGPROBS if logprobs else None
+            ),
+            CompletionRecord(text="x", finish_reason="length", tokens=1),
+        ],
+    )
+
+
+USAGE = {
+    "prompt_tokens": 7,
+    "completion_tokens": 3,
+    "total_tokens": 10,
+    "prompt_tokens_details": {"cached_tokens": 3},
+    "completion_tokens_details": {"reasoning_tokens": 0},
+}
+
+
+def rendered(record: Answer | Failure) -> dict[str, Any]:
+    stored = records.dump(record)
+    assert records.load(stored) == record
+    line: dict[str, Any] = orjson.loads(endpoints.openai_line("c1", stored))
+    assert line["id"] == "batch_req_1" and line["custom_id"] == "c1" and line["error"] is None
+    assert line["response"]["request_id"] == "req_1"
+    return line["response"]
+
+
+def test_a_chat_record_renders_as_a_chat_completion() -> None:
+    response = rendered(answer(CHAT, logprobs=True))
+    assert response == {
+        "status_code": 200,
+        "request_id": "req_1",
+        "body": {
+            "id": "resp-1",
+            "object": "chat.completion",
+            "created": 1_700_000_000,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "Hé!", "refusal": None},
+                    "logprobs": {
+                        "content": [
+                            {
+                                "token": "Hé",
+                                "logprob": -0.5,
+                                "bytes": [72, 195, 169],
+                                "top_logprobs": [
+                                    {"token": "Hé", "logprob": -0.5, "bytes": [72, 195, 169]},
+                                    {"token": "a", "logprob": None, "bytes": [97]},
+                                ],
+                            },
+                            {"token": "!", "logprob": None, "bytes": [33], "top_logprobs": []},
+                        ],
+                        "refusal": None,
+                    },
+                    "finish_reason": "stop",
+                },
+                {
+                    "index": 1,
+                    "message": {"role": "assistant", "content": "x", "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": "length",
+                },
+            ],
+            "usage": USAGE,
+            "system_fingerprint": None,
+            "service_tier": "default",
+        },
+    }
+
+
+def test_a_completions_record_renders_as_a_text_completion() -> None:
+    body = rendered(answer(COMPLETIONS, logprobs=True))["body"]
+    assert body == {
+        "id": "resp-1",
+        "object": "text_completion",
+        "created": 1_700_000_000,
+        "model": "m",
+        "choices": [
+            {
+                "text": "Hé!",
+                "index": 0,
+                "logprobs": {
+                    "tokens": ["Hé", "!"],
+                    "token_logprobs": [-0.5, None],
+                    "top_logprobs": [{"Hé": -0.5, "a": None}, {}],
+                    "text_offset": [0, 2],
+                },
+                "finish_reason": "stop",
+            },
+            {"text": "x", "index": 1, "logprobs": None, "finish_reason": "length"},
+        ],
+        "usage": USAGE,
+        "system_fingerprint": None,
+    }
+
+
+def test_a_failure_record_renders_as_an_error_line() -> None:
+    error = LineError(
+        "Invalid 'temperature': 5 is not between 0 and 2.", "temperature", "invalid_value"
+    )
+    failure = records.failure(error).model_copy(update=IDS)
+    assert rendered(failure) == {
+        "status_code": 400,
+        "request_id": "req_1",
+        "body": {
+            "error": {
+                "message": "Invalid 'temperature': 5 is not between 0 and 2.",
+                "type": "invalid_request_error",
+                "param": "temperature",
+                "code": "invalid_value",
+            }
+        },
+    }
+    crash = records.failure(LineError("boom", code="engine_failure", status_code=500))
+    assert crash.type == "server_error" and crash.status_code == 500
+
+
+def test_a_line_stored_before_records_is_written_as_it_is() -> None:
+    """Rows finished by an older version hold their OpenAI line already rendered."""
+    legacy = orjson.dumps(
+        {
+            "id": "batch_req_old",
+            "custom_id": "c1",
+            "response": {"status_code": 200, "request_id": "req_old", "body": {"x": 1}},
+            "error": None,
+        }
+    ).decode()
+    assert records.load(legacy) is None
+    assert endpoints.openai_line("c1", legacy) == legacy.encode()
+
+
+def test_a_record_holds_what_another_surface_renders() -> None:
+    """What an Anthropic ``message`` needs is in the record, without OpenAI's line."""
+    engine = InstantEngine("m")
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    prepared = serving.prepare("1", CHAT, body, engine)
+    engine.add(prepared.request)
+    (result,) = engine.step()
+    record = records.load(records.dump(serving.answer(prepared, result, created=5)))
+    assert isinstance(record, Answer)
+    (completion,) = record.completions
+    assert (completion.text, completion.finish_reason, completion.tokens) == ("O", "length", 1)
+    assert (record.model, record.created, record.endpoint) == ("m", 5, CHAT)
+    assert record.prompt_tokens == len(prepared.request.prompt_token_ids)
+    assert record.line_id.startswith("batch_req_") and record.request_id.startswith("req_")
+    assert record.response_id.startswith("chatcmpl-")
+
+
+# --- Files written twice are the same files --------------------------------------------------
+
+
+@pytest.fixture()
+def settings(settings: Settings) -> Settings:
+    return settings.model_copy(update={"models": {MODEL: ModelConfig(engine="instant")}})
+
+
+@pytest.fixture()
+def sdk(settings: Settings) -> OpenAI:
+    key = new_key(settings)
+    client = TestClient(create_app(settings))
+    return OpenAI(base_url="http://testserver/v1", api_key=key, http_client=client, max_retries=0)
+
+
+def _file_bytes(settings: Settings, batch_id: str) -> tuple[bytes, bytes]:
+    blobs = get_blob_store(settings.resolved_blob_url)
+    out, err = (f"outputs/{batch_id}/{name}.jsonl" for name in ("output", "errors"))
+    return b"".join(blobs.iter_chunks(out)), b"".join(blobs.iter_chunks(err))
+
+
+def test_finalizing_again_writes_the_same_bytes(settings: Settings, sdk: OpenAI) -> None:
+    """Three lines run (two answered, one failed alone), two never run (the batch is cancelled):
+    writing the files a second time — a finalize that crashed after writing them — must not
+    change a byte, ids included."""
+    lines = [
+        line("ok", model=MODEL, body_logprobs=True, body_n=2),
+        line("hot", model=MODEL, body_temperature=5),
+        line("done", model=MODEL),
+        line("never-1", model=MODEL),
+        line("never-2", model=MODEL),
+    ]
+    tenant_name = _tenant_of(settings, sdk)
+    batch, _ = validate(settings, b"\n".join(lines), tenant_name=tenant_name)
+    url, blobs, at = (
+        settings.resolved_database_url,
+        get_blob_store(settings.resolved_blob_url),
+        time.time(),
+    )
+    engine = InstantEngine(MODEL)
+    with session_scope(url) as session:
+        claimed = requests_repo.claim(
+            session, model=MODEL, limit=3, owner="w1", lease_until=at + 60, at=at,
+            batch_ids=[batch.id],
+        )  # fmt: skip
+    finished, ready = [], {}
+    for row in claimed:
+        body = orjson.loads(row.line_json)["body"]
+        try:
+            prepared = serving.prepare(str(row.id), CHAT, body, engine)
+        except LineError as exc:
+            finished.append(results.failed(row, exc, at))
+            continue
+        engine.add(prepared.request)
+        ready[prepared.request.request_id] = (row, prepared)
+    for result in engine.step():
+        row, prepared = ready[result.request_id]
+        finished.append(results.succeeded(row, prepared, result, 1_700_000_000, at))
+    with session_scope(url) as session:
+        requests_repo.write_results(session, "w1", finished)
+    with session_scope(url) as session:
+        batches_service.cancel(session, settings, batch.tenant_id, batch.id)
+        session.info.pop("after_commit", None)
+    assert finalize(settings, blobs, batch.id).done
+    ended = sdk.batches.retrieve(batch.id)
+    output, errors = check_ran_batch(sdk, ended, ["ok", "hot", "done", "never-1", "never-2"])
+    assert ended.status == "cancelled" and len(output) == 2 and len(errors) == 3
+    assert len(output[0]["response"]["body"]["choices"]) == 2
+    first = _file_bytes(settings, batch.id)
+    with session_scope(url) as session:
+        again = batches_repo.lock(session, batch.id)
+        assert again is not None
+        _write_files(session, blobs, again)
+        assert (again.output_file_id, again.error_file_id) == (
+            ended.output_file_id,
+            ended.error_file_id,
+        )
+    assert _file_bytes(settings, batch.id) == first
+    served = sdk.files.content(ended.output_file_id).content  # type: ignore[arg-type]
+    assert served == first[0]
+
+
+def _tenant_of(settings: Settings, sdk: OpenAI) -> str:
+    from api.services.keys import tenant_for_key
+
+    with session_scope(settings.resolved_database_url) as session:
+        tenant = tenant_for_key(session, sdk.api_key)
+        assert tenant is not None
+        return tenant.name
