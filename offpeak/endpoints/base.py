@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from offpeak.endpoints.errors import LineError, line_error
 
@@ -94,9 +95,9 @@ class Endpoint(ABC, Generic[Body]):
             error = exc.errors(include_url=False)[0]
             raise self.line_error(error) from None
 
-    def line_error(self, error: Any) -> LineError:
-        """The ``LineError`` of one pydantic error (``pydantic_core.ErrorDetails``). Endpoints
-        override this for fields whose wording is their own, and fall back to this."""
+    def line_error(self, error: ErrorDetails) -> LineError:
+        """The ``LineError`` of one pydantic error. Endpoints override this for fields whose
+        wording is their own, and fall back to this."""
         return line_error(error, self.body_model)
 
     def prepare(self, body: dict[str, Any], tokenizer: Tokenizer) -> EngineInput:

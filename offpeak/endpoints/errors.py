@@ -108,7 +108,8 @@ def _out_of_range(name: str, value: Any, model: type[BaseModel]) -> LineError:
     field = model.model_fields[name]
     low = next((m.ge for m in field.metadata if isinstance(m, Ge)), None)
     high = next((m.le for m in field.metadata if isinstance(m, Le)), None)
-    if float in typing.get_args(field.annotation) or field.annotation is float:
+    number = float in typing.get_args(field.annotation) or field.annotation is float
+    if number and low is not None and high is not None:
         message = f"Invalid '{name}': {value} is not between {low:g} and {high:g}."
     else:
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
