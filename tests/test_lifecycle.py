@@ -10,6 +10,7 @@ finishes the batch with every ``custom_id`` once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -83,15 +84,25 @@ def wait_gone(procs: list[psutil.Process], timeout: float = 20) -> list[psutil.P
     return alive(procs)
 
 
-def processes_of(data_dir: Path) -> list[psutil.Process]:
-    """Every process on the machine whose environment names ``data_dir`` (a process that
-    escaped its tree, like an orphaned beat, is found too)."""
+def sessions(procs: list[psutil.Process]) -> set[int]:
+    """The session ids of ``procs``. Each service process leads a session of its own, and its
+    children stay in it even when orphaned (an orphaned beat did), so a session finds them when
+    their parent is gone. (Not the environment: Celery's process titles overwrite it.)"""
+    found = set()
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            found.add(os.getsid(proc.pid))
+    return found
+
+
+def in_sessions(sids: set[int]) -> list[psutil.Process]:
+    """Every running process of the machine in one of the sessions ``sids``."""
     found = []
-    for proc in psutil.process_iter():
+    for pid in psutil.pids():
         try:
-            if proc.environ().get("OFFPEAK_DATA_DIR") == str(data_dir):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            if os.getsid(pid) in sids:
+                found.append(psutil.Process(pid))
+        except (ProcessLookupError, psutil.NoSuchProcess):
             continue
     return alive(found)
 
@@ -161,7 +172,7 @@ def test_up_restarts_a_killed_worker_and_stops_everything_on_ctrl_c(up: OffpeakU
     assert {"api", "control", "engine"} <= set(up.procs)
     assert up.stop(signal.SIGINT) == 0  # what Ctrl-C sends
     assert wait_gone(everything) == []
-    assert processes_of(Path(up.env["OFFPEAK_DATA_DIR"])) == []
+    assert wait_gone(in_sessions(sessions(everything))) == []
 
 
 def test_up_killed_takes_its_children_along(up: OffpeakUp) -> None:
@@ -172,7 +183,7 @@ def test_up_killed_takes_its_children_along(up: OffpeakUp) -> None:
     up.proc.kill()
     up.proc.wait()
     assert wait_gone(everything) == []
-    assert processes_of(Path(up.env["OFFPEAK_DATA_DIR"])) == []
+    assert wait_gone(in_sessions(sessions(everything))) == []
 
 
 # -- the control worker's beat --------------------------------------------------------------
@@ -196,8 +207,8 @@ def test_killed_control_worker_leaves_no_beat_and_one_beat_runs(tmp_path: Path) 
         first = stack.procs.pop("control-1")
         os.kill(first.pid, signal.SIGKILL)  # the worker alone, not its process group
         first.wait()
-        api = stack.procs["api"].pid
-        assert wait_gone([p for p in processes_of(data) if p.pid != api]) == []
+        # With -B, beat was a child process in the worker's session: it lived on, parent 1.
+        assert wait_gone(in_sessions({first.pid})) == []
 
         stack.start_worker("control", "control-2")
         wait_until(lambda: "beat: running" in stack.tail("control-2", 400), 90, "beat")
@@ -209,9 +220,10 @@ def test_killed_control_worker_leaves_no_beat_and_one_beat_runs(tmp_path: Path) 
         holder.kill()
         holder.wait()
         wait_until(lambda: "beat: running" in stack.tail("control-3", 400), 90, "taken over")
+        started = {holder.pid, *(proc.pid for proc in stack.procs.values())}
     finally:
         stack.stop()
-    assert processes_of(data) == []
+    assert wait_gone(in_sessions(started)) == []
 
 
 # -- children spawned by a worker (vLLM's engine-core) ----------------------------------------
