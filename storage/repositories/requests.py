@@ -343,17 +343,20 @@ def release(session: Session, owner: str, ids: Iterable[int], *, count_attempt: 
 def end_unfinished(session: Session, batch_id: str, status: str, at: float) -> int:
     """Mark rows that will never run (``cancelled`` or ``expired``): every pending row and every
     running row whose lease ran out. Returns the number of rows changed."""
-    result = session.execute(
-        update(RequestLine)
-        .where(
-            RequestLine.batch_id == batch_id,
-            or_(
-                RequestLine.status == "pending",
-                (RequestLine.status == "running") & (RequestLine.lease_expires_at < at),
-            ),
-        )
-        .values(status=status, lease_owner=None, lease_expires_at=None, finished_at=at)
-        .execution_options(synchronize_session=False)
+    result = cast(
+        CursorResult[Any],
+        session.execute(
+            update(RequestLine)
+            .where(
+                RequestLine.batch_id == batch_id,
+                or_(
+                    RequestLine.status == "pending",
+                    (RequestLine.status == "running") & (RequestLine.lease_expires_at < at),
+                ),
+            )
+            .values(status=status, lease_owner=None, lease_expires_at=None, finished_at=at)
+            .execution_options(synchronize_session=False)
+        ),
     )
     return int(result.rowcount or 0)
 
