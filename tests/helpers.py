@@ -129,3 +129,21 @@ def validate(
         batch = batches_repo.get_any(session, batch.id)
         rows = session.scalar(select(func.count()).where(RequestLine.batch_id == batch.id))
     return batch, rows
+
+
+def tenant_client(settings: Settings) -> tuple[str, OpenAI]:
+    """A new tenant's name and the official SDK on the in-process API, with a key of its own."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from tests.conftest import new_key
+
+    key = new_key(settings)
+    with session_scope(settings.resolved_database_url) as session:
+        tenant = keys.tenant_for_key(session, key)
+        assert tenant is not None
+        name = tenant.name
+    client = TestClient(create_app(settings))
+    return name, OpenAI(
+        base_url="http://testserver/v1", api_key=key, http_client=client, max_retries=0
+    )

@@ -22,8 +22,7 @@ from storage.db import session_scope
 from storage.errors import is_transient
 from storage.models import RequestLine
 from storage.repositories import requests as requests_repo
-from tests import test_runner
-from tests.helpers import check_ran_batch, line
+from tests.helpers import check_ran_batch, line, tenant_client
 from tests.test_runner import make
 from workers.engine.base import EngineFault, EngineRequest, EngineResult
 from workers.engine.instant import InstantEngine
@@ -44,7 +43,7 @@ def settings(settings: Settings) -> Settings:
 
 @pytest.fixture()
 def tenant_sdk(settings: Settings) -> tuple[str, OpenAI]:
-    return test_runner.tenant_sdk.__wrapped__(settings)  # type: ignore[attr-defined]
+    return tenant_client(settings)
 
 
 class DyingEngine(InstantEngine):
@@ -465,9 +464,9 @@ def test_release_and_claim_count_attempts_of_crashes_only(
 ) -> None:
     tenant, _ = tenant_sdk
     batch_id = make(settings, tenant, [line("r0", model=MODEL)])
-    url = settings.resolved_database_url
-    for _ in range(2):
-        with session_scope(url) as session:
+
+    def claim_and_release(count_attempt: bool) -> int:
+        with session_scope(settings.resolved_database_url) as session:
             [row] = requests_repo.claim(
                 session,
                 model=MODEL,
@@ -477,17 +476,9 @@ def test_release_and_claim_count_attempts_of_crashes_only(
                 at=time.time(),
                 batch_ids=[batch_id],
             )
-            requests_repo.release(session, "w", [row.id], count_attempt=True)
-    with session_scope(url) as session:
-        [row] = requests_repo.claim(
-            session,
-            model=MODEL,
-            limit=1,
-            owner="w",
-            lease_until=time.time() + 60,
-            at=time.time(),
-            batch_ids=[batch_id],
-        )
-        assert row.attempts == 3  # two crashes, and this run
-        requests_repo.release(session, "w", [row.id], count_attempt=False)
+            requests_repo.release(session, "w", [row.id], count_attempt=count_attempt)
+        return row.attempts
+
+    assert [claim_and_release(True) for _ in range(2)] == [1, 2]  # two crashes
+    assert claim_and_release(False) == 3  # the third run, handed back unrun
     assert [r.attempts for r in rows(settings, batch_id)] == [2]

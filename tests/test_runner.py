@@ -7,19 +7,16 @@ import threading
 import time
 
 import pytest
-from fastapi.testclient import TestClient
 from openai import OpenAI
 from sqlalchemy import func, select
 
-from api.app import create_app
 from offpeak.settings import ModelConfig, Settings
 from storage.blobs import get_blob_store
 from storage.db import session_scope
 from storage.models import EngineChunk, EngineChunkBatch, File, RequestLine
 from storage.repositories import requests as requests_repo
 from storage.repositories.requests import FinishedLine
-from tests.conftest import new_key
-from tests.helpers import check_ran_batch, line, validate
+from tests.helpers import check_ran_batch, line, tenant_client, validate
 from workers.engine.base import EngineResult
 from workers.engine.instant import InstantEngine
 from workers.finalize import finalize
@@ -56,17 +53,7 @@ def settings(settings: Settings) -> Settings:
 
 @pytest.fixture()
 def tenant_sdk(settings: Settings) -> tuple[str, OpenAI]:
-    key = new_key(settings)
-    from api.services.keys import tenant_for_key
-
-    with session_scope(settings.resolved_database_url) as session:
-        tenant = tenant_for_key(session, key)
-        assert tenant is not None
-        name = tenant.name
-    client = TestClient(create_app(settings))
-    return name, OpenAI(
-        base_url="http://testserver/v1", api_key=key, http_client=client, max_retries=0
-    )
+    return tenant_client(settings)
 
 
 def make(settings: Settings, tenant: str, lines: list[bytes]) -> str:

@@ -337,6 +337,7 @@ class LoadMonitor:
         self.signals = list(signals) or [IdleSignal()]
         self._pause = pause
         self._last_pause = PauseState()
+        self._pause_failing = False
 
     def read(self, at: float) -> LoadReading:
         """Read every signal; unreadable ones go to ``errors`` (and count as load 0 there). An
@@ -352,10 +353,14 @@ class LoadMonitor:
         if self._pause is not None:
             try:
                 pause = self._last_pause = self._pause()
+                self._pause_failing = False
             except Exception as exc:
                 # The database is unreachable: keep the switch as last read. Yielding for an
                 # outage would abort work the engine can finish while the database comes back.
-                log.warning("cannot read the pause switch, keeping the last state: %s", exc)
+                # Said once per outage, not once per reading.
+                level = logging.DEBUG if self._pause_failing else logging.WARNING
+                log.log(level, "cannot read the pause switch, keeping the last state: %s", exc)
+                self._pause_failing = True
         return LoadReading(
             at=at, load=max(parts.values(), default=0.0), parts=parts, errors=errors, pause=pause
         )
