@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from offpeak import endpoints
 from offpeak.pricing import Bill
+from offpeak.statuses import BatchStatus
 from storage.models import Batch, File
 
 
@@ -258,7 +259,7 @@ def _schedule_fields(batch: Batch) -> dict[str, Any]:
     """``slack_seconds`` and ``estimated_completion_at`` of an ``in_progress`` batch that the
     scheduler has estimated (``storage.models.Batch.estimated_completion_at``); none otherwise."""
     eta = batch.estimated_completion_at
-    if batch.status != "in_progress" or eta is None:
+    if batch.status != BatchStatus.IN_PROGRESS or eta is None:
         return {}
     return {"slack_seconds": round(batch.expires_at - eta, 1), "estimated_completion_at": int(eta)}
 

@@ -30,13 +30,14 @@ from rich.console import Console
 from rich.table import Table
 
 from offpeak.processes import ServiceProcesses
+from offpeak.statuses import BatchStatus
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 #: Where scratch databases are created (``CREATE DATABASE``) and dropped again.
 PG_ADMIN = os.environ.get("OFFPEAK_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 #: A Redis database of its own; every key the benchmark makes carries its queue prefix.
 REDIS_URL = os.environ.get("OFFPEAK_BENCH_REDIS", "redis://127.0.0.1:6379/9")
-ENDED = ("completed", "failed", "expired", "cancelled")
+ENDED = BatchStatus.FINAL
 
 console = Console(width=160)
 

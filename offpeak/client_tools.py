@@ -22,7 +22,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-ENDED = ("completed", "failed", "expired", "cancelled")
+from offpeak.statuses import BatchStatus
+
 #: Seconds between two reads of ``/healthz`` while waiting (each may warn once).
 HEALTH_EVERY_SECONDS = 10.0
 
@@ -146,7 +147,7 @@ def wait_with_progress(
                 completed=done,
                 detail=f"{batch.status} · {tokens} output tokens · {rate:.0f} tok/s",
             )
-            if batch.status in ENDED:
+            if batch.status in BatchStatus.FINAL:
                 return _billed(client, batch, poll)
             if warn is not None and time.monotonic() >= next_health:
                 next_health = time.monotonic() + HEALTH_EVERY_SECONDS

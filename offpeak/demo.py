@@ -20,9 +20,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from offpeak.client_tools import ENDED, read_lines
+from offpeak.client_tools import read_lines
 from offpeak.processes import OffpeakUp
 from offpeak.settings import get_settings
+from offpeak.statuses import BatchStatus
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.jsonl"
 #: The documented local key of demo mode (tenant ``local``); never set it on a shared server.
@@ -118,7 +119,7 @@ def _wait(client: OpenAI, stack: OffpeakUp, batches: dict, console: Console) -> 
                     completed=counts.completed + counts.failed,
                     status=f"{batch.status} · {batch.usage.output_tokens} tokens out",
                 )
-            if all(b.status in ENDED for b in batches.values()):
+            if all(b.status in BatchStatus.FINAL for b in batches.values()):
                 return batches
             time.sleep(0.5)
 
@@ -130,7 +131,7 @@ def _report(client: OpenAI, batches: dict, seconds: float, console: Console) -> 
     outputs, ok = [], True
     total_in = total_out = 0
     for batch in batches.values():
-        ok &= batch.status == "completed"
+        ok &= batch.status == BatchStatus.COMPLETED
         lines = read_lines(client, batch.output_file_id)
         errors = read_lines(client, batch.error_file_id)
         outputs.extend(lines + errors)

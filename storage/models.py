@@ -28,6 +28,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from offpeak.statuses import LineStatus
+
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_name)s",
@@ -156,7 +158,7 @@ class RequestLine(Base):
     deadline: Mapped[int] = mapped_column(BigInteger)
     line_json: Mapped[str] = mapped_column(Text)
     #: pending → running → succeeded | failed; or cancelled / expired when it never ran.
-    status: Mapped[str] = mapped_column(String(16), default="pending")
+    status: Mapped[str] = mapped_column(String(16), default=LineStatus.PENDING)
     status_code: Mapped[int | None] = mapped_column(Integer)
     result: Mapped[str | None] = mapped_column(Text)
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)

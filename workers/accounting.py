@@ -17,6 +17,7 @@ from decimal import Decimal
 
 from offpeak import pricing
 from offpeak.settings import Settings, window_seconds
+from offpeak.statuses import BatchStatus
 from storage.db import session_scope
 from storage.models import Batch
 from storage.repositories import batches as batches_repo
@@ -57,7 +58,7 @@ def bill_batch(settings: Settings, batch_id: str) -> bool:
     """
     with session_scope(settings.resolved_database_url) as session:
         batch = batches_repo.get_any(session, batch_id)
-        if batch is None or batch.status not in ledger_repo.BILLABLE_STATUSES:
+        if batch is None or batch.status not in BatchStatus.FINAL:
             return False
         if ledger_repo.entries_for(session, [batch_id]):
             return False
@@ -98,7 +99,7 @@ def bill_batch(settings: Settings, batch_id: str) -> bool:
         share = (ended_at(batch) - batch.created_at) / _window(batch) if _window(batch) else None
         status = batch.status
     if inserted:
-        metrics.observe_billed(status, share if status == "completed" else None)
+        metrics.observe_billed(status, share if status == BatchStatus.COMPLETED else None)
         log.info(
             "billed %s (%s): %.3f GPU-s, cost $%.6f, price $%.6f (real-time $%.6f)",
             batch_id,

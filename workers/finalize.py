@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from offpeak import endpoints, wire
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings
+from offpeak.statuses import BatchStatus, LineStatus
 from storage.blobs import BlobStore
 from storage.db import session_scope
 from storage.models import Batch, File
@@ -24,12 +25,12 @@ from workers import accounting
 
 log = logging.getLogger(__name__)
 
-_NEVER_RAN = {
-    "cancelled": (
+_NEVER_RAN: dict[str, tuple[str, str]] = {
+    LineStatus.CANCELLED: (
         wire.BATCH_CANCELLED,
         "This request was not run because the batch was cancelled.",
     ),
-    "expired": (
+    LineStatus.EXPIRED: (
         wire.BATCH_EXPIRED,
         "This request could not be executed before the completion window expired.",
     ),
@@ -56,12 +57,12 @@ def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
     out_bytes = err_bytes = 0
     with blobs.writer(out_key) as out, blobs.writer(err_key) as err:
         for custom_id, status, result in requests_repo.iter_finished(session, batch.id):
-            if status == "succeeded":
+            if status == LineStatus.SUCCEEDED:
                 line = endpoints.openai_line(custom_id, result) if result else b""
                 out.write(line + b"\n")
                 out_bytes += len(line) + 1
                 continue
-            if status == "failed" and result:
+            if status == LineStatus.FAILED and result:
                 line = endpoints.openai_line(custom_id, result)
             elif status in _NEVER_RAN:
                 line_id = wire.derived_id("batch_req_", batch.id, custom_id)
@@ -125,39 +126,43 @@ def _advance(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
     url = settings.resolved_database_url
     with session_scope(url) as session:
         batch = batches_repo.lock(session, batch_id)
-        if batch is None or batch.status in batches_repo.FINAL_STATUSES:
+        if batch is None or batch.status in BatchStatus.FINAL:
             return Step(done=True)
-        if batch.status == "validating":
+        if batch.status == BatchStatus.VALIDATING:
             return Step(done=False)
         at = time.time()
-        if batch.status == "in_progress" and batch.expires_at <= at:
-            target = "expired"
-        elif batch.status == "cancelling":
-            target = "cancelled"
+        if batch.status == BatchStatus.IN_PROGRESS and batch.expires_at <= at:
+            target = BatchStatus.EXPIRED
+        elif batch.status == BatchStatus.CANCELLING:
+            target = BatchStatus.CANCELLED
         else:
-            target = "completed"
+            target = BatchStatus.COMPLETED
         if target in _NEVER_RAN:
-            requests_repo.end_unfinished(session, batch_id, target, at)
+            requests_repo.end_unfinished(session, batch_id, LineStatus(target), at)
         unfinished = batches_repo.unfinished_by_status(session, batch_id)
         if unfinished:
             # Lines still pending or held by a live worker: that worker finishes or aborts them.
             batches_repo.refresh_counts(session, [batch_id])
-            if target == "completed":
+            if target == BatchStatus.COMPLETED:
                 return Step(done=False)  # the drain that finishes the lines sends the finalize
-            since = batch.cancelling_at if target == "cancelled" else batch.expires_at
+            since = batch.cancelling_at if target == BatchStatus.CANCELLED else batch.expires_at
             return Step(done=False, retry_in=_retry_in(at - (since or at)))
-        if target == "completed" and batch.status == "in_progress":
-            batch.status, batch.finalizing_at = "finalizing", now()
+        if target == BatchStatus.COMPLETED and batch.status == BatchStatus.IN_PROGRESS:
+            batch.status, batch.finalizing_at = BatchStatus.FINALIZING, now()
     with session_scope(url) as session:
         # Locked on SQLite too: two finalizes that both passed the status check wrote two files.
         batch = batches_repo.lock(session, batch_id)
-        if batch is None or batch.status in batches_repo.FINAL_STATUSES:
+        if batch is None or batch.status in BatchStatus.FINAL:
             return Step(done=True)
         batches_repo.refresh_counts(session, [batch_id])
         session.refresh(batch)
         _write_files(session, blobs, batch)
         stamp = now()
-        final = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}
+        final = {
+            BatchStatus.COMPLETED: "completed_at",
+            BatchStatus.EXPIRED: "expired_at",
+            BatchStatus.CANCELLED: "cancelled_at",
+        }
         batch.status = target
         setattr(batch, final[target], stamp)
         log.info(

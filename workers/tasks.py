@@ -10,6 +10,7 @@ import time
 from offpeak import queues
 from offpeak.ids import worker_id
 from offpeak.settings import Settings, get_settings
+from offpeak.statuses import BatchStatus
 from storage.blobs import get_blob_store
 from storage.db import session_scope
 from storage.repositories import batches as batches_repo
@@ -142,10 +143,10 @@ def sweep() -> None:
     at = int(time.time())
     with session_scope(settings.resolved_database_url) as session:
         expired = batches_repo.expired_ids(session, at)
-        cancelling = batches_repo.ids_in_status(session, "cancelling")
-        finalizing = batches_repo.ids_in_status(session, "finalizing")
+        cancelling = batches_repo.ids_in_status(session, BatchStatus.CANCELLING)
+        finalizing = batches_repo.ids_in_status(session, BatchStatus.FINALIZING)
         finalizing += batches_repo.finished_but_running(session)
-        validating = batches_repo.ids_in_status(session, "validating")
+        validating = batches_repo.ids_in_status(session, BatchStatus.VALIDATING)
         models = batches_repo.active_models(session)
         queued_messages.purge(session, before=at - 4 * queues.MAX_WAIT_SECONDS)
     # Each is skipped while a message for it is queued, and re-sent once that one is lost.

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from offpeak import endpoints, wire
 from offpeak.ids import now
 from offpeak.settings import Settings
+from offpeak.statuses import BatchStatus
 from storage.blobs import BlobStore
 from storage.db import session_scope
 from storage.models import Batch
@@ -260,7 +261,7 @@ def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str |
         if not batches_repo.try_lock_validation(session, batch_id):
             return None
         batch = batches_repo.get_any(session, batch_id)
-        if batch is None or batch.status != "validating":
+        if batch is None or batch.status != BatchStatus.VALIDATING:
             return None
         file = files_repo.get_any(session, batch.input_file_id)
         if file is None or file.deleted or not blobs.exists(file.blob_key):
@@ -292,15 +293,15 @@ def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str |
         # Lock the row only now, and read it again: a cancel may have come in meanwhile.
         batch = batches_repo.get_for_update(session, batch_id, refresh=True)
         assert batch is not None
-        if not outcome.errors and batch.status == "validating":
-            batch.status, batch.in_progress_at = "in_progress", now()
+        if not outcome.errors and batch.status == BatchStatus.VALIDATING:
+            batch.status, batch.in_progress_at = BatchStatus.IN_PROGRESS, now()
             batch.model, batch.total = outcome.model, outcome.total
             return outcome.model
         session.rollback()  # drop the rows (all of them if cancelled, else those before a problem)
         batch = batches_repo.get_for_update(session, batch_id)
-        if batch is None or batch.status != "validating":
+        if batch is None or batch.status != BatchStatus.VALIDATING:
             return None  # cancelled meanwhile: finalize ends it as ``cancelled``
-        batch.status, batch.failed_at = "failed", now()
+        batch.status, batch.failed_at = BatchStatus.FAILED, now()
         batch.errors = outcome.errors
         log.info("batch %s failed validation: %d problems", batch_id, len(outcome.errors))
         return None

@@ -12,6 +12,7 @@ from api.schemas import CreateBatch
 from offpeak import endpoints, queues
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings, window_seconds
+from offpeak.statuses import BatchStatus
 from storage.db import after_commit
 from storage.models import Batch
 from storage.repositories import batches as batches_repo
@@ -19,7 +20,7 @@ from storage.repositories import files as files_repo
 
 # OpenAI's metadata limits (API reference, "metadata"): 16 pairs, keys ≤ 64, values ≤ 512 chars.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
-CANCELLABLE = ("validating", "in_progress")
+CANCELLABLE = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
 
 
 def _check_metadata(metadata: dict[str, Any] | None) -> dict[str, str] | None:
@@ -82,7 +83,7 @@ def create(session: Session, settings: Settings, tenant_id: str, request: Create
             endpoint=request.endpoint,
             input_file_id=file.id,
             completion_window=request.completion_window,
-            status="validating",
+            status=BatchStatus.VALIDATING,
             metadata_=metadata,
             created_at=created,
             expires_at=created + window_seconds(request.completion_window),
@@ -130,11 +131,11 @@ def cancel(session: Session, settings: Settings, tenant_id: str, batch_id: str) 
     get(session, tenant_id, batch_id)
     batch = batches_repo.get_for_update(session, batch_id, no_key=True, refresh=True)
     assert batch is not None
-    if batch.status in ("cancelling", "cancelled"):
+    if batch.status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
         return batch
     if batch.status not in CANCELLABLE:
         raise Conflict(f"Cannot cancel a batch with status {batch.status!r}.", param="batch_id")
-    batch.status = "cancelling"
+    batch.status = BatchStatus.CANCELLING
     batch.cancelling_at = now()
     session.flush()
     after_commit(

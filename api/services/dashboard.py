@@ -16,6 +16,7 @@ from api.services import health as health_service
 from api.services import usage as usage_service
 from offpeak import pricing
 from offpeak.settings import Settings
+from offpeak.statuses import LineStatus
 from storage.repositories import fleet_stats
 
 #: Points per series on the chart: a bucket is ``hours × 3600 / POINTS`` seconds (5 s to 1 h).
@@ -41,7 +42,8 @@ def _models(session: Session, settings: Settings, at: float) -> list[dict[str, A
         }
     )
     for model, status, count, _size in fleet_stats.queue_depth(session):
-        rows[model]["queued_requests" if status == "pending" else "running_requests"] += count
+        queued = status == LineStatus.PENDING
+        rows[model]["queued_requests" if queued else "running_requests"] += count
     for engine in fleet_stats.engine_window(session, at - window):
         row = rows[engine.model]
         row["prompt_tokens_per_second"] += engine.prompt_tokens / window

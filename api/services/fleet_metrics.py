@@ -49,22 +49,14 @@ from sqlalchemy.orm import Session
 
 from offpeak import pricing
 from offpeak.settings import Settings
+from offpeak.statuses import BatchStatus
 from storage.db import session_scope
 from storage.repositories import fleet_stats
 from storage.repositories import ledger as ledger_repo
 
 log = logging.getLogger(__name__)
 
-STATUSES = (
-    "validating",
-    "in_progress",
-    "finalizing",
-    "completed",
-    "failed",
-    "expired",
-    "cancelling",
-    "cancelled",
-)
+STATUSES = tuple(BatchStatus)
 #: Bytes of a request line per prompt token, for the queue's token estimate.
 BYTES_PER_TOKEN = 4
 WAIT_BUCKETS = (1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 12 * 3600, 24 * 3600)

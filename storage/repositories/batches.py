@@ -8,10 +8,8 @@ from dataclasses import dataclass
 from sqlalchemy import bindparam, event, func, select, update
 from sqlalchemy.orm import Session, SessionTransaction
 
+from offpeak.statuses import BatchStatus, LineStatus
 from storage.models import Batch, RequestLine
-
-#: Statuses after which nothing changes.
-FINAL_STATUSES = ("completed", "failed", "expired", "cancelled")
 
 
 def add(session: Session, batch: Batch) -> Batch:
@@ -119,8 +117,6 @@ class CountsDelta:
 
 #: ``session.info`` key: batches whose counters this transaction already brought up to date.
 _COUNTS_CURRENT = "offpeak.counts_current"
-#: Statuses a request line ends in; every one but ``succeeded`` counts as ``failed``.
-_DONE = ("succeeded", "failed", "cancelled", "expired")
 
 
 def add_counts(session: Session, deltas: dict[str, CountsDelta]) -> None:
@@ -171,13 +167,13 @@ def refresh_counts(session: Session, batch_ids: Iterable[str]) -> None:
     ids = sorted(set(batch_ids) - current)
     if not ids:
         return
-    done = RequestLine.status.in_(_DONE)
+    done = RequestLine.status.in_(LineStatus.ENDED)
     rows = session.execute(
         select(
             RequestLine.batch_id,
             func.count(),
-            func.count().filter(RequestLine.status == "succeeded"),
-            func.count().filter(done, RequestLine.status != "succeeded"),
+            func.count().filter(RequestLine.status == LineStatus.SUCCEEDED),
+            func.count().filter(done, RequestLine.status != LineStatus.SUCCEEDED),
             func.coalesce(func.sum(RequestLine.prompt_tokens), 0),
             func.coalesce(func.sum(RequestLine.cached_tokens), 0),
             func.coalesce(func.sum(RequestLine.completion_tokens), 0),
@@ -222,7 +218,7 @@ def unfinished_by_status(session: Session, batch_id: str) -> dict[str, int]:
     """Counts of this batch's request rows still ``pending`` or ``running``."""
     rows = session.execute(
         select(RequestLine.status, func.count())
-        .where(RequestLine.batch_id == batch_id, RequestLine.status.in_(("pending", "running")))
+        .where(RequestLine.batch_id == batch_id, RequestLine.status.in_(LineStatus.UNFINISHED))
         .group_by(RequestLine.status)
     )
     return {status: count for status, count in rows}
@@ -232,7 +228,10 @@ def active_models(session: Session) -> list[str]:
     """Models with batches still running, for re-enqueueing work after a restart."""
     rows = session.scalars(
         select(Batch.model)
-        .where(Batch.status.in_(("in_progress", "cancelling")), Batch.model.is_not(None))
+        .where(
+            Batch.status.in_((BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING)),
+            Batch.model.is_not(None),
+        )
         .distinct()
     )
     return [m for m in rows if m]
@@ -241,9 +240,9 @@ def active_models(session: Session) -> list[str]:
 def finished_but_running(session: Session) -> list[str]:
     """``in_progress`` batches with no line left to run: their finalize message was lost."""
     open_lines = select(RequestLine.id).where(
-        RequestLine.batch_id == Batch.id, RequestLine.status.in_(("pending", "running"))
+        RequestLine.batch_id == Batch.id, RequestLine.status.in_(LineStatus.UNFINISHED)
     )
-    query = select(Batch.id).where(Batch.status == "in_progress", ~open_lines.exists())
+    query = select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS, ~open_lines.exists())
     return list(session.scalars(query))
 
 
@@ -256,7 +255,8 @@ def expired_ids(session: Session, at: int) -> list[str]:
     return list(
         session.scalars(
             select(Batch.id).where(
-                Batch.status.in_(("validating", "in_progress")), Batch.expires_at <= at
+                Batch.status.in_((BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)),
+                Batch.expires_at <= at,
             )
         )
     )

@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import Float, cast, delete, func, insert, or_, select
 from sqlalchemy.orm import Session
 
+from offpeak.statuses import LineStatus
 from storage.models import Batch, EngineChunk, LoadSample, RequestLine, SchedulerState
 
 #: ``scheduler_state`` keys read here, as ``storage.repositories.scheduler`` writes them:
@@ -39,7 +40,7 @@ def queue_depth(session: Session) -> list[tuple[str, str, int, int]]:
             func.count(),
             func.coalesce(func.sum(func.length(RequestLine.line_json)), 0),
         )
-        .where(RequestLine.status.in_(("pending", "running")))
+        .where(RequestLine.status.in_(LineStatus.UNFINISHED))
         .group_by(RequestLine.model, RequestLine.status)
     )
     return [(model, status, int(n), int(size)) for model, status, n, size in rows]
@@ -51,7 +52,7 @@ def pending_since(session: Session) -> list[tuple[str, float, int]]:
     rows = session.execute(
         select(RequestLine.model, Batch.in_progress_at, func.count())
         .join(Batch, Batch.id == RequestLine.batch_id)
-        .where(RequestLine.status == "pending", Batch.in_progress_at.is_not(None))
+        .where(RequestLine.status == LineStatus.PENDING, Batch.in_progress_at.is_not(None))
         .group_by(RequestLine.model, Batch.id, Batch.in_progress_at)
     )
     return [(model, float(started or 0), int(n)) for model, started, n in rows]

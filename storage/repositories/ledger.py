@@ -23,10 +23,9 @@ from sqlalchemy import ColumnElement, Float, case, cast, exists, func, literal, 
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from offpeak.statuses import BatchStatus
 from storage.models import Batch, EngineChunk, EngineChunkBatch, LedgerEntry
 
-#: Statuses after which a batch is billed (``batches.FINAL_STATUSES``).
-BILLABLE_STATUSES = ("completed", "failed", "expired", "cancelled")
 DAY_SECONDS = 86_400
 #: Histogram bounds of time-to-complete as a share of the completion window (1.0 = at the deadline).
 WINDOW_SHARE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
@@ -134,7 +133,7 @@ def unbilled_ended(session: Session, created_since: int, limit: int = 500) -> li
     return list(
         session.scalars(
             select(Batch.id)
-            .where(Batch.status.in_(BILLABLE_STATUSES), Batch.created_at >= created_since, ~billed)
+            .where(Batch.status.in_(BatchStatus.FINAL), Batch.created_at >= created_since, ~billed)
             .order_by(Batch.id)
             .limit(limit)
         )
@@ -250,7 +249,7 @@ def completion_share_buckets(
     """For completed batches in the whole ledger: cumulative counts of time-to-complete as a share
     of the window at or below each bound, the count, and the sum of the shares."""
     share = _window_share()
-    completed = (LedgerEntry.status == "completed") & (LedgerEntry.window_seconds > 0)
+    completed = (LedgerEntry.status == BatchStatus.COMPLETED) & (LedgerEntry.window_seconds > 0)
     row = session.execute(
         select(
             *[func.count().filter(share <= bound) for bound in bounds],
@@ -268,7 +267,7 @@ def completion_shares_since(session: Session, ended_since: int) -> list[float]:
         float(v)
         for v in session.scalars(
             select(_window_share()).where(
-                LedgerEntry.status == "completed",
+                LedgerEntry.status == BatchStatus.COMPLETED,
                 LedgerEntry.window_seconds > 0,
                 LedgerEntry.ended_at >= ended_since,
             )

@@ -16,6 +16,7 @@ import psycopg
 from sqlalchemy import CursorResult, bindparam, insert, or_, select, text, update
 from sqlalchemy.orm import Session
 
+from offpeak.statuses import BatchStatus, LineStatus
 from storage.db import is_postgres
 from storage.models import Batch, RequestLine
 from storage.repositories import batches as batches_repo
@@ -27,7 +28,7 @@ INTAKE_COLUMNS = ("batch_id", "line", "custom_id", "model", "deadline", "line_js
 INSERT_CHUNK = 5000
 #: The other columns' values at intake.
 _INTAKE_DEFAULTS = {
-    "status": "pending",
+    "status": LineStatus.PENDING,
     "prompt_tokens": 0,
     "cached_tokens": 0,
     "completion_tokens": 0,
@@ -138,8 +139,8 @@ def claim(
     ``batch_ids``: only rows of these batches (the urgent ones while load is high). Skips rows
     another transaction holds."""
     runnable = or_(
-        RequestLine.status == "pending",
-        (RequestLine.status == "running") & (RequestLine.lease_expires_at < at),
+        RequestLine.status == LineStatus.PENDING,
+        (RequestLine.status == LineStatus.RUNNING) & (RequestLine.lease_expires_at < at),
     )
     picked = (
         select(RequestLine.id)
@@ -147,7 +148,9 @@ def claim(
             RequestLine.model == model,
             runnable,
             RequestLine.deadline > at,
-            RequestLine.batch_id.in_(select(Batch.id).where(Batch.status == "in_progress")),
+            RequestLine.batch_id.in_(
+                select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS)
+            ),
         )
         .order_by(RequestLine.deadline, RequestLine.id)
         .limit(limit)
@@ -164,7 +167,7 @@ def claim(
         update(RequestLine)
         .where(RequestLine.id.in_(ids))
         .values(
-            status="running",
+            status=LineStatus.RUNNING,
             lease_owner=owner,
             lease_expires_at=lease_until,
             attempts=RequestLine.attempts + 1,
@@ -187,8 +190,8 @@ def has_pending(session: Session, model: str) -> bool:
     engine worker could start on)."""
     pending = select(RequestLine.id).where(
         RequestLine.model == model,
-        RequestLine.status == "pending",
-        RequestLine.batch_id.in_(select(Batch.id).where(Batch.status == "in_progress")),
+        RequestLine.status == LineStatus.PENDING,
+        RequestLine.batch_id.in_(select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS)),
     )
     return bool(session.scalar(select(pending.exists())))
 
@@ -212,7 +215,7 @@ def write_results(session: Session, owner: str, results: Sequence[FinishedLine])
         .where(
             RequestLine.id == bindparam("row_id"),
             RequestLine.lease_owner == owner,
-            RequestLine.status == "running",
+            RequestLine.status == LineStatus.RUNNING,
         )
         .values(
             status=bindparam("new_status"),
@@ -280,7 +283,7 @@ def _write_results_unnest(session: Session, owner: str, results: Sequence[Finish
     deltas: dict[str, CountsDelta] = {}
     for batch_id, status, prompt, cached, completion in written:
         delta = deltas.setdefault(batch_id, CountsDelta())
-        if status == "succeeded":
+        if status == LineStatus.SUCCEEDED:
             delta.completed += 1
         else:
             delta.failed += 1
@@ -304,7 +307,7 @@ def renew_leases(session: Session, owner: str, lease_until: float, ids: Collecti
             .where(
                 RequestLine.id.in_(id_list),
                 RequestLine.lease_owner == owner,
-                RequestLine.status == "running",
+                RequestLine.status == LineStatus.RUNNING,
             )
             .values(lease_expires_at=lease_until)
             .execution_options(synchronize_session=False)
@@ -321,7 +324,11 @@ def release(session: Session, owner: str, ids: Iterable[int], *, count_attempt: 
     id_list = list(ids)
     if not id_list:
         return 0
-    values: dict[str, Any] = {"status": "pending", "lease_owner": None, "lease_expires_at": None}
+    values: dict[str, Any] = {
+        "status": LineStatus.PENDING,
+        "lease_owner": None,
+        "lease_expires_at": None,
+    }
     if not count_attempt:
         values["attempts"] = RequestLine.attempts - 1
     result = cast(
@@ -331,7 +338,7 @@ def release(session: Session, owner: str, ids: Iterable[int], *, count_attempt: 
             .where(
                 RequestLine.id.in_(id_list),
                 RequestLine.lease_owner == owner,
-                RequestLine.status == "running",
+                RequestLine.status == LineStatus.RUNNING,
             )
             .values(**values)
             .execution_options(synchronize_session=False)
@@ -350,8 +357,9 @@ def end_unfinished(session: Session, batch_id: str, status: str, at: float) -> i
             .where(
                 RequestLine.batch_id == batch_id,
                 or_(
-                    RequestLine.status == "pending",
-                    (RequestLine.status == "running") & (RequestLine.lease_expires_at < at),
+                    RequestLine.status == LineStatus.PENDING,
+                    (RequestLine.status == LineStatus.RUNNING)
+                    & (RequestLine.lease_expires_at < at),
                 ),
             )
             .values(status=status, lease_owner=None, lease_expires_at=None, finished_at=at)

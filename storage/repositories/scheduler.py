@@ -18,6 +18,7 @@ from sqlalchemy import CursorResult, bindparam, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from offpeak.statuses import BatchStatus, LineStatus
 from storage.models import Batch, EngineChunk, RequestLine, SchedulerState, WorkerRecord
 
 PAUSE_ALL = "paused"
@@ -125,7 +126,7 @@ def backlog(session: Session, model: str) -> list[BatchBacklog]:
             Batch.failed,
             Batch.output_tokens,
         )
-        .where(Batch.model == model, Batch.status == "in_progress")
+        .where(Batch.model == model, Batch.status == BatchStatus.IN_PROGRESS)
         .order_by(Batch.expires_at, Batch.id)
     )
     return [BatchBacklog(*row) for row in rows]
@@ -177,7 +178,7 @@ def not_held(session: Session, owner: str, ids: Iterable[int]) -> list[int]:
     held = select(RequestLine.id).where(
         RequestLine.id.in_(id_list),
         RequestLine.lease_owner == owner,
-        RequestLine.status == "running",
+        RequestLine.status == LineStatus.RUNNING,
     )
     return sorted(set(id_list) - set(session.scalars(held)))
 
@@ -230,7 +231,7 @@ def running_batches(session: Session, limit: int = 500) -> list[RunningBatch]:
             Batch.completed,
             Batch.failed,
         )
-        .where(Batch.status == "in_progress")
+        .where(Batch.status == BatchStatus.IN_PROGRESS)
         .order_by(Batch.expires_at, Batch.id)
         .limit(limit)
     )

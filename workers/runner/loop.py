@@ -36,6 +36,7 @@ from typing import Any
 
 from offpeak.ids import now as unix_now
 from offpeak.settings import Settings
+from offpeak.statuses import BatchStatus, LineStatus
 from storage.errors import TRANSIENT_DB_ERRORS
 from storage.repositories.requests import ClaimedRequest, FinishedLine
 from workers import lifecycle, worker_metrics
@@ -493,12 +494,14 @@ class Runner:
             self.heartbeat.renewed()
         if report.lost:
             self._drop_lost(set(report.lost))
-        stopped = {}
+        stopped: dict[str, str] = {}
         for batch_id, (status, expires_at) in report.statuses.items():
-            if status in ("cancelling", "cancelled"):
-                stopped[batch_id] = "cancelled"
-            elif status == "expired" or (status == "in_progress" and expires_at <= at):
-                stopped[batch_id] = "expired"
+            if status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
+                stopped[batch_id] = LineStatus.CANCELLED
+            elif status == BatchStatus.EXPIRED or (
+                status == BatchStatus.IN_PROGRESS and expires_at <= at
+            ):
+                stopped[batch_id] = LineStatus.EXPIRED
         if stopped:
             self._stop_batches(stopped, at)
 

@@ -5,6 +5,7 @@ finalize renders as the output or error line; this module adds the line's token 
 from __future__ import annotations
 
 from offpeak.endpoints import records
+from offpeak.statuses import LineStatus
 from storage.repositories.requests import ClaimedRequest, FinishedLine, TokenCounts
 from workers import serving
 from workers.engine.base import EngineResult
@@ -19,7 +20,7 @@ def succeeded(
     return FinishedLine(
         id=row.id,
         batch_id=row.batch_id,
-        status="succeeded",
+        status=LineStatus.SUCCEEDED,
         finished_at=at,
         status_code=200,
         result=records.dump(answer),
@@ -36,7 +37,7 @@ def failed(row: ClaimedRequest, error: LineError, at: float) -> FinishedLine:
     return FinishedLine(
         id=row.id,
         batch_id=row.batch_id,
-        status="failed",
+        status=LineStatus.FAILED,
         finished_at=at,
         status_code=error.status_code,
         result=records.dump(records.failure(error)),

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Collection, Iterable
 
 from offpeak.settings import Settings
+from offpeak.statuses import LineStatus
 from storage.errors import TRANSIENT_DB_ERRORS
 from storage.repositories.engine_chunks import BatchTokens
 from storage.repositories.requests import ClaimedRequest, FinishedLine
@@ -63,7 +64,7 @@ class ResultWriter:
         write raises (the caller hands the lines back)."""
         per_batch: dict[str, BatchTokens] = {}
         for line in self.pending:
-            if line.status == "succeeded":
+            if line.status == LineStatus.SUCCEEDED:
                 tokens = per_batch.setdefault(line.batch_id, BatchTokens())
                 tokens.requests += 1
                 tokens.prompt_tokens += line.tokens.prompt

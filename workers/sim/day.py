@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from offpeak.settings import ModelConfig, SchedulerSettings, Settings
+from offpeak.statuses import BatchStatus
 from workers.planner import StepModel
 from workers.scheduler.clock import VirtualClock
 from workers.scheduler.signals import LoadMonitor
@@ -228,9 +229,11 @@ def simulate_day(
         inside_window=sum(
             1
             for b in batches
-            if b.status == "completed" and b.ended_at is not None and b.ended_at <= b.expires_at
+            if b.status == BatchStatus.COMPLETED
+            and b.ended_at is not None
+            and b.ended_at <= b.expires_at
         ),
-        expired=sum(1 for b in batches if b.status == "expired"),
+        expired=sum(1 for b in batches if b.status == BatchStatus.EXPIRED),
         requests=stats.requests,
         prompt_tokens=stats.prompt_tokens,
         cached_tokens=stats.cached_tokens,

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from offpeak.settings import window_seconds
+from offpeak.statuses import BatchStatus, LineStatus
 from storage.repositories.requests import ClaimedRequest
 from storage.repositories.scheduler import BatchBacklog, EngineHistory
 from workers.scheduler.clock import VirtualClock
@@ -26,7 +27,7 @@ class SimBatch:
     expires_at: float
     window: str
     requests: int
-    status: str = "in_progress"
+    status: str = BatchStatus.IN_PROGRESS
     completed: int = 0
     failed: int = 0
     output_tokens: int = 0
@@ -39,7 +40,7 @@ class SimRow:
     batch_id: str
     custom_id: str
     line_json: str
-    status: str = "pending"
+    status: str = LineStatus.PENDING
     attempts: int = 0
 
 
@@ -93,12 +94,12 @@ class MemoryStore:
 
     def _sweep(self, at: float) -> None:
         for batch in self.batches.values():
-            if batch.status != "in_progress":
+            if batch.status != BatchStatus.IN_PROGRESS:
                 continue
             if batch.completed + batch.failed >= batch.requests:
-                batch.status, batch.ended_at = "completed", at
+                batch.status, batch.ended_at = BatchStatus.COMPLETED, at
             elif batch.expires_at <= at:
-                batch.status, batch.ended_at = "expired", at
+                batch.status, batch.ended_at = BatchStatus.EXPIRED, at
                 batch.pending.clear()
 
     @property
@@ -106,7 +107,9 @@ class MemoryStore:
         return len(self._arrivals)
 
     def all_done(self) -> bool:
-        return not self._arrivals and all(b.status != "in_progress" for b in self.batches.values())
+        return not self._arrivals and all(
+            b.status != BatchStatus.IN_PROGRESS for b in self.batches.values()
+        )
 
     def claim(
         self,
@@ -121,7 +124,11 @@ class MemoryStore:
         self.claims += 1
         claimed: list[ClaimedRequest] = []
         runnable = sorted(
-            (b for b in self.batches.values() if b.status == "in_progress" and b.expires_at > at),
+            (
+                b
+                for b in self.batches.values()
+                if b.status == BatchStatus.IN_PROGRESS and b.expires_at > at
+            ),
             key=lambda b: (b.expires_at, b.id),
         )
         for batch in runnable:
@@ -130,7 +137,7 @@ class MemoryStore:
             while batch.pending and len(claimed) < limit:
                 row_id = batch.pending.popleft()
                 row = self.rows[row_id]
-                row.status, row.attempts = "running", row.attempts + 1
+                row.status, row.attempts = LineStatus.RUNNING, row.attempts + 1
                 claimed.append(
                     ClaimedRequest(row_id, batch.id, row.custom_id, row.line_json, row.attempts)
                 )
@@ -141,11 +148,11 @@ class MemoryStore:
     def write_back(self, write: WriteBack) -> WriteBackReport:
         for result in write.results:
             row = self.rows[result.id]
-            if row.status != "running":
+            if row.status != LineStatus.RUNNING:
                 continue
             row.status = result.status
             batch = self.batches[row.batch_id]
-            if row.status == "succeeded":
+            if row.status == LineStatus.SUCCEEDED:
                 batch.completed += 1
                 batch.output_tokens += result.tokens.completion
             else:
@@ -173,12 +180,12 @@ class MemoryStore:
         released = 0
         for row_id in sorted(ids, reverse=True):  # back to the front, in their order
             row = self.rows[row_id]
-            if row.status != "running":
+            if row.status != LineStatus.RUNNING:
                 continue
-            row.status = "pending"
+            row.status = LineStatus.PENDING
             row.attempts -= 0 if count_attempt else 1
             batch = self.batches[row.batch_id]
-            if batch.status == "in_progress":
+            if batch.status == BatchStatus.IN_PROGRESS:
                 batch.pending.appendleft(row_id)
             released += 1
         return released
@@ -195,7 +202,7 @@ class MemoryStore:
                 b.id, b.expires_at, b.window, b.requests, b.completed, b.failed, b.output_tokens
             )
             for b in self.batches.values()
-            if b.status == "in_progress"
+            if b.status == BatchStatus.IN_PROGRESS
         ]
 
     def engine_history(self, model: str, since: float) -> EngineHistory:
