@@ -9,6 +9,7 @@ scheduler on a virtual clock (``workers.sim.day``).
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 from typing import Annotated
 
@@ -31,11 +32,11 @@ def pause_command(
 ) -> None:
     """Pause batch work: workers yield as they do to high load (urgent batches keep running
     unless --hard) within one load poll, until `offpeak resume`."""
-    from api.services import admin
     from storage.db import session_scope
+    from storage.repositories import scheduler as scheduler_repo
 
     with session_scope(get_settings().resolved_database_url) as session:
-        switch = admin.pause(session, pool, hard=hard, reason=reason)
+        switch = scheduler_repo.pause(session, pool, hard=hard, reason=reason, at=time.time())
     kind = "hard-paused" if switch.hard else "paused"
     Console().print(
         f"batch work {kind} on pool {switch.pool!r}" + (f": {reason}" if reason else "")
@@ -44,11 +45,11 @@ def pause_command(
 
 def resume_command(pool: PoolOption = "*") -> None:
     """Resume batch work paused with `offpeak pause` (the load signals still apply)."""
-    from api.services import admin
     from storage.db import session_scope
+    from storage.repositories import scheduler as scheduler_repo
 
     with session_scope(get_settings().resolved_database_url) as session:
-        switch = admin.resume(session, pool)
+        switch = scheduler_repo.resume(session, pool, at=time.time())
     if switch.paused:
         Console().print(f"pool {switch.pool!r} resumed, but {switch.reason}")
     else:

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import delete
 
+from offpeak.scheduler_state import load_of, paused_of
 from offpeak.settings import ModelConfig, ModelPricing, Settings
 from storage.db import session_scope
 from storage.models import LoadSample, SchedulerState
@@ -181,5 +182,5 @@ def test_load_samples_follow_the_scheduler_state(settings: Settings) -> None:
 def test_scheduler_state_values_are_read_leniently(
     stored: object, load: float | None, paused: bool
 ) -> None:
-    assert fleet_stats.load_of(stored) == load
-    assert fleet_stats.paused_of(stored) is paused
+    assert load_of(stored) == load
+    assert paused_of(stored) is paused

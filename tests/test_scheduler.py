@@ -24,6 +24,7 @@ from api.schemas import CreateBatch
 from api.services import batches as batches_service
 from api.services import files as files_service
 from api.services import keys
+from offpeak import scheduler_state
 from offpeak.settings import ModelConfig, SchedulerSettings, Settings
 from storage.blobs import get_blob_store
 from storage.db import session_scope
@@ -218,7 +219,7 @@ def test_urgent_batch_runs_under_high_load_and_a_hard_pause_stops_it(
     with session_scope(settings.resolved_database_url) as session:
         scheduler_repo.put_state(
             session,
-            scheduler_repo.pause_key(settings.scheduler.pool),
+            scheduler_state.pause_key(settings.scheduler.pool),
             {"paused": True, "hard": True, "reason": "test"},
             time.time(),
         )
@@ -227,7 +228,7 @@ def test_urgent_batch_runs_under_high_load_and_a_hard_pause_stops_it(
     assert urgent in runner.urgent_seen and relaxed not in runner.urgent_seen
 
     with session_scope(settings.resolved_database_url) as session:
-        scheduler_repo.delete_state(session, scheduler_repo.pause_key(settings.scheduler.pool))
+        scheduler_repo.delete_state(session, scheduler_state.pause_key(settings.scheduler.pool))
     with caplog.at_level(logging.INFO, logger="workers"):
         stats = runner.drain()
     assert stats.outcome == "yielded"  # load still high: the relaxed batch waits

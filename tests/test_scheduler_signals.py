@@ -15,6 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from offpeak.scheduler_state import PauseState
 from offpeak.settings import SchedulerSettings, Settings
 from tests.scheduler_support import MetricsEndpoint, metrics_endpoint
 from workers.scheduler.hysteresis import Gate
@@ -22,7 +23,6 @@ from workers.scheduler.signals import (
     LoadMonitor,
     LoadReading,
     NvmlSignal,
-    PauseState,
     PrometheusSignal,
     ScheduleSignal,
     SignalError,

@@ -24,6 +24,7 @@ from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from offpeak import scheduler_state
 from offpeak.settings import Settings
 from storage.db import session_scope
 from storage.repositories import fleet_stats
@@ -167,12 +168,11 @@ def sample_load(settings: Settings, at: float | None = None) -> int:
     at = time.time() if at is None else at
     with session_scope(settings.resolved_database_url) as session:
         state = fleet_stats.scheduler_state(session)
-        paused = fleet_stats.paused_of(state.get(fleet_stats.PAUSED_KEY))
+        paused = scheduler_state.paused_of(state.get(scheduler_state.PAUSE_ALL_KEY))
         samples = []
-        for key, value in state.items():
-            load = fleet_stats.load_of(value)
-            if key.startswith(fleet_stats.LOAD_PREFIX) and load is not None:
-                source = key[len(fleet_stats.LOAD_PREFIX) :]
+        for source, load in scheduler_state.loads(state).items():
+            if load is not None:
+                value = state[scheduler_state.load_key(source)]
                 # A reading says whether its pool was paused; older or foreign ones may not.
                 held = value.get("paused") if isinstance(value, dict) else None
                 flag = paused if held is None else bool(held)

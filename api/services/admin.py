@@ -9,65 +9,38 @@ batches keep running), a hard pause stops urgent batches too.
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 from sqlalchemy.orm import Session
 
 from api.schemas import BatchSchedule, PauseSwitch, PoolLoad, SchedulerView
+from offpeak import scheduler_state
+from offpeak.scheduler_state import ALL_POOLS
 from storage.repositories import scheduler as scheduler_repo
 
-ALL_POOLS = "*"
 
-
-def _pool_of(key: str) -> str:
-    return ALL_POOLS if key == scheduler_repo.PAUSE_ALL else key.split(":", 1)[1]
+def _schema(switch: scheduler_state.PauseSwitch) -> PauseSwitch:
+    return PauseSwitch(**asdict(switch))
 
 
 def pause(
     session: Session, pool: str = ALL_POOLS, *, hard: bool = False, reason: str | None = None
 ) -> PauseSwitch:
-    """Turn the switch of ``pool`` (``"*"``: every pool) on; idempotent (a second call only
-    updates ``hard`` and ``reason``)."""
-    at = time.time()
-    value = {"paused": True, "hard": hard, "reason": reason, "at": at}
-    scheduler_repo.put_state(session, scheduler_repo.pause_key(pool), value, at)
-    return PauseSwitch(pool=pool or ALL_POOLS, paused=True, hard=hard, reason=reason, updated_at=at)
+    """Turn the switch of ``pool`` (``"*"``: every pool) on (``scheduler_repo.pause``)."""
+    return _schema(scheduler_repo.pause(session, pool, hard=hard, reason=reason, at=time.time()))
 
 
 def resume(session: Session, pool: str = ALL_POOLS) -> PauseSwitch:
-    """Turn the switch of ``pool`` off; idempotent. A pool paused by ``"*"`` stays paused until
-    ``"*"`` resumes too (the answer says so in ``reason``)."""
-    scheduler_repo.delete_state(session, scheduler_repo.pause_key(pool))
-    still = None
-    if pool not in (ALL_POOLS, "", None):
-        everyone = scheduler_repo.get_states(session, [scheduler_repo.PAUSE_ALL])
-        if everyone.get(scheduler_repo.PAUSE_ALL, {}).get("paused"):
-            still = "every pool is still paused ('*')"
-    return PauseSwitch(
-        pool=pool or ALL_POOLS,
-        paused=still is not None,
-        hard=False,
-        reason=still,
-        updated_at=time.time(),
-    )
+    """Turn the switch of ``pool`` off (``scheduler_repo.resume``)."""
+    return _schema(scheduler_repo.resume(session, pool, at=time.time()))
 
 
 def view(session: Session) -> SchedulerView:
     """The switches that are on, each pool's last load reading, and the running batches."""
-    switches = [
-        PauseSwitch(
-            pool=_pool_of(key),
-            paused=bool(value.get("paused")),
-            hard=bool(value.get("hard")),
-            reason=value.get("reason"),
-            updated_at=updated_at,
-        )
-        for key, (value, updated_at) in sorted(
-            scheduler_repo.states_with_prefix(session, scheduler_repo.PAUSE_ALL).items()
-        )
-    ]
+    switches = [_schema(switch) for switch in scheduler_repo.switches(session)]
     pools = [
         PoolLoad(
-            pool=key.split(":", 1)[1],
+            pool=pool,
             load=value.get("load"),
             gate_open=value.get("gate_open"),
             paused=bool(value.get("paused")),
@@ -76,9 +49,7 @@ def view(session: Session) -> SchedulerView:
             worker=value.get("worker"),
             updated_at=updated_at,
         )
-        for key, (value, updated_at) in sorted(
-            scheduler_repo.states_with_prefix(session, "load:").items()
-        )
+        for pool, value, updated_at in scheduler_repo.load_readings(session)
     ]
     batches = [
         BatchSchedule(

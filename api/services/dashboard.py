@@ -14,7 +14,7 @@ from api.schemas import BatchObject
 from api.services import batches as batches_service
 from api.services import health as health_service
 from api.services import usage as usage_service
-from offpeak import pricing
+from offpeak import pricing, scheduler_state
 from offpeak.settings import Settings
 from offpeak.statuses import LineStatus
 from storage.repositories import fleet_stats
@@ -93,15 +93,11 @@ def data(
     batches, _ = batches_service.page(session, tenant_id, after=None, limit=limit)
     bills = usage_service.bills(session, settings, batches)
     state = fleet_stats.scheduler_state(session)
-    load_now = {
-        key[len(fleet_stats.LOAD_PREFIX) :]: fleet_stats.load_of(value)
-        for key, value in sorted(state.items())
-        if key.startswith(fleet_stats.LOAD_PREFIX)
-    }
+    load_now = dict(sorted(scheduler_state.loads(state).items()))
     return {
         "generated_at": at,
         "window_seconds": settings.metrics_window_seconds,
-        "paused": sorted(pool for pool, on in fleet_stats.pauses(state).items() if on),
+        "paused": sorted(pool for pool, on in scheduler_state.pauses(state).items() if on),
         "load": load_now,
         "batches": [BatchObject.of(b, bills[b.id]).model_dump() for b in batches],
         "models": _models(session, settings, at),

@@ -47,7 +47,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session
 
-from offpeak import pricing
+from offpeak import pricing, scheduler_state
 from offpeak.settings import Settings
 from offpeak.statuses import BatchStatus
 from storage.db import session_scope
@@ -204,17 +204,16 @@ def _scheduler(session: Session) -> Iterator[Metric]:
     load = GaugeMetricFamily(
         "offpeak_load", "The real-time load signal the scheduler reads.", labels=["source"]
     )
-    for key, value in sorted(state.items()):
-        reading = fleet_stats.load_of(value)
-        if key.startswith(fleet_stats.LOAD_PREFIX) and reading is not None:
-            load.add_metric([key[len(fleet_stats.LOAD_PREFIX) :]], reading)
+    for pool, reading in sorted(scheduler_state.loads(state).items()):
+        if reading is not None:
+            load.add_metric([pool], reading)
     yield load
     paused = GaugeMetricFamily(
         "offpeak_batch_work_paused",
         "1 while the admin switch pauses batch work (pool * : every pool).",
         labels=["pool"],
     )
-    for pool, on in sorted(fleet_stats.pauses(state).items()):
+    for pool, on in sorted(scheduler_state.pauses(state).items()):
         paused.add_metric([pool], float(on))
     yield paused
 

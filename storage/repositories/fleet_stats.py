@@ -16,15 +16,10 @@ from typing import Any
 from sqlalchemy import Float, cast, delete, func, insert, or_, select
 from sqlalchemy.orm import Session
 
+from offpeak.scheduler_state import LOAD_PREFIX, PAUSE_ALL_KEY, PAUSE_PREFIX
 from offpeak.statuses import LineStatus
 from storage.models import Batch, EngineChunk, LoadSample, RequestLine, SchedulerState
 
-#: ``scheduler_state`` keys read here, as ``storage.repositories.scheduler`` writes them:
-#: ``paused`` (every pool) and ``paused:<pool>``, the admin switch as ``{"paused": bool, ...}``;
-#: ``load:<pool>``, the pool's last load reading as ``{"load": float, "paused": bool, ...}``.
-PAUSED_KEY = "paused"
-PAUSED_PREFIX = "paused:"
-LOAD_PREFIX = "load:"
 #: An accounting period longer than this is not looked for when summing a recent window: a chunk
 #: is recorded at least every time a request finishes, so only an idle engine has longer ones.
 MAX_CHUNK_SECONDS = 3600.0
@@ -134,26 +129,17 @@ def throughput_series(
 
 def scheduler_state(session: Session) -> dict[str, Any]:
     """The ``paused``, ``paused:<pool>`` and ``load:<pool>`` entries of ``scheduler_state``:
-    key → value."""
+    key → value (read them with ``offpeak.scheduler_state``)."""
     rows = session.execute(
         select(SchedulerState.key, SchedulerState.value).where(
             or_(
-                SchedulerState.key == PAUSED_KEY,
-                SchedulerState.key.startswith(PAUSED_PREFIX),
+                SchedulerState.key == PAUSE_ALL_KEY,
+                SchedulerState.key.startswith(PAUSE_PREFIX),
                 SchedulerState.key.startswith(LOAD_PREFIX),
             )
         )
     )
     return {key: value for key, value in rows}
-
-
-def pauses(state: dict[str, Any]) -> dict[str, bool]:
-    """``pool → paused`` from ``scheduler_state`` entries; ``*`` is the switch for every pool."""
-    out = {"*": paused_of(state.get(PAUSED_KEY))}
-    for key, value in state.items():
-        if key.startswith(PAUSED_PREFIX):
-            out[key[len(PAUSED_PREFIX) :]] = paused_of(value)
-    return out
 
 
 def add_load_samples(session: Session, samples: Iterable[dict[str, Any]]) -> None:
@@ -176,21 +162,3 @@ def load_series(session: Session, since: float) -> list[tuple[float, str, float,
         .order_by(LoadSample.at)
     )
     return [(float(at), source, float(load), bool(paused)) for at, source, load, paused in rows]
-
-
-def load_of(value: Any) -> float | None:
-    """The load reading in a ``load:<source>`` value: a number, or the ``load`` (else ``value``)
-    member of an object; ``None`` if there is none."""
-    if isinstance(value, dict):
-        value = value.get("load", value.get("value"))
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def paused_of(value: Any) -> bool:
-    """The switch in the ``paused`` value: a boolean, or the ``paused`` (else ``value``) member of
-    an object."""
-    if isinstance(value, dict):
-        value = value.get("paused", value.get("value"))
-    return bool(value)

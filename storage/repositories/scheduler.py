@@ -2,10 +2,9 @@
 backlog and throughput behind each batch's slack, the estimates shown on batches, and worker
 heartbeats.
 
-``scheduler_state`` keys: ``paused`` (every pool) and ``paused:<pool>`` hold the admin switch
-(``{"paused", "hard", "reason", "at"}``); ``load:<pool>`` the pool's last load reading
-(``{"load", "parts", "errors", "paused", "gate_open", "worker", ...}``). The metrics and the
-dashboard read the same keys (``storage.repositories.fleet_stats``).
+The ``scheduler_state`` keys and values are defined in ``offpeak.scheduler_state``. The pause
+switch is turned on and off here (``pause``, ``resume``), for the admin API and ``offpeak pause``
+alike.
 """
 
 from __future__ import annotations
@@ -18,20 +17,19 @@ from sqlalchemy import CursorResult, bindparam, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from offpeak.scheduler_state import (
+    ALL_POOLS,
+    LOAD_PREFIX,
+    PAUSE_ALL_KEY,
+    PAUSE_PREFIX,
+    PauseSwitch,
+    parse_key,
+    pause_key,
+    pause_value,
+    paused_of,
+)
 from offpeak.statuses import BatchStatus, LineStatus
 from storage.models import Batch, EngineChunk, RequestLine, SchedulerState, WorkerRecord
-
-PAUSE_ALL = "paused"
-
-
-def pause_key(pool: str | None) -> str:
-    """The state key of the pause switch of ``pool``; ``None`` or ``"*"``: every pool."""
-    return PAUSE_ALL if pool in (None, "", "*") else f"{PAUSE_ALL}:{pool}"
-
-
-def load_key(pool: str) -> str:
-    return f"load:{pool}"
-
 
 # --- Shared state -----------------------------------------------------------------------------
 
@@ -87,6 +85,59 @@ def delete_state(session: Session, key: str) -> bool:
         ),
     )
     return bool(result.rowcount)
+
+
+# --- The admin pause switch -------------------------------------------------------------------
+
+
+def pause(
+    session: Session, pool: str | None, *, hard: bool, reason: str | None, at: float
+) -> PauseSwitch:
+    """Turn the switch of ``pool`` (``"*"``: every pool) on at ``at`` (unix seconds); idempotent
+    (a second call only updates ``hard`` and ``reason``)."""
+    put_state(session, pause_key(pool), pause_value(hard, reason, at), at)
+    return PauseSwitch(pool=pool or ALL_POOLS, paused=True, hard=hard, reason=reason, updated_at=at)
+
+
+def resume(session: Session, pool: str | None, at: float) -> PauseSwitch:
+    """Turn the switch of ``pool`` off; idempotent. A pool paused by ``"*"`` stays paused until
+    ``"*"`` resumes too (the answer says so in ``reason``)."""
+    key = pause_key(pool)
+    delete_state(session, key)
+    still = None
+    if key != PAUSE_ALL_KEY and paused_of(get_states(session, [PAUSE_ALL_KEY]).get(PAUSE_ALL_KEY)):
+        still = "every pool is still paused ('*')"
+    return PauseSwitch(
+        pool=pool or ALL_POOLS, paused=still is not None, hard=False, reason=still, updated_at=at
+    )
+
+
+def switches(session: Session) -> list[PauseSwitch]:
+    """Every stored switch, by key (``*`` first, then by pool)."""
+    rows = session.execute(
+        select(SchedulerState.key, SchedulerState.value, SchedulerState.updated_at).where(
+            (SchedulerState.key == PAUSE_ALL_KEY) | SchedulerState.key.startswith(PAUSE_PREFIX)
+        )
+    )
+    return [
+        PauseSwitch.of(parsed.pool, value, updated_at)
+        for key, value, updated_at in sorted(rows)
+        if (parsed := parse_key(key)) is not None
+    ]
+
+
+def load_readings(session: Session) -> list[tuple[str, Any, float]]:
+    """``(pool, value, updated_at)`` of every pool's last load reading, by pool."""
+    rows = session.execute(
+        select(SchedulerState.key, SchedulerState.value, SchedulerState.updated_at).where(
+            SchedulerState.key.startswith(LOAD_PREFIX)
+        )
+    )
+    return [
+        (parsed.pool, value, updated_at)
+        for key, value, updated_at in sorted(rows)
+        if (parsed := parse_key(key)) is not None
+    ]
 
 
 # --- Backlog, throughput and estimates --------------------------------------------------------

@@ -25,6 +25,7 @@ from zoneinfo import ZoneInfo
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from offpeak.scheduler_state import PauseState
 from offpeak.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
@@ -41,16 +42,6 @@ class LoadSignal(Protocol):
     def read(self, at: float) -> float:
         """The load at unix time ``at`` (0 = idle). Raises ``SignalError`` when unreadable."""
         ...
-
-
-@dataclass(frozen=True)
-class PauseState:
-    """The admin switch as a worker pool sees it."""
-
-    paused: bool = False
-    #: A hard pause stops urgent batches too (windows may then be missed).
-    hard: bool = False
-    reason: str | None = None
 
 
 @dataclass(frozen=True)

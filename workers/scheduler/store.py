@@ -11,6 +11,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from offpeak import scheduler_state
+from offpeak.scheduler_state import PauseState
 from storage.db import session_scope
 from storage.repositories import batches as batches_repo
 from storage.repositories import engine_chunks
@@ -19,7 +21,6 @@ from storage.repositories import scheduler as scheduler_repo
 from storage.repositories.engine_chunks import BatchTokens
 from storage.repositories.requests import ClaimedRequest, FinishedLine
 from storage.repositories.scheduler import BatchBacklog, EngineHistory
-from workers.scheduler.signals import PauseState
 
 
 @dataclass
@@ -100,22 +101,6 @@ class WorkStore(Protocol):
     def pause_state(self, pool: str) -> PauseState: ...
 
     def publish_load(self, pool: str, reading: dict[str, Any], at: float) -> None: ...
-
-
-def pause_from_states(states: Mapping[str, Mapping[str, Any]], pool: str) -> PauseState:
-    """The switch for ``pool``: a pause of every pool or of this one (a hard one wins)."""
-    found = [
-        s
-        for s in (states.get(scheduler_repo.PAUSE_ALL), states.get(scheduler_repo.pause_key(pool)))
-        if s and s.get("paused")
-    ]
-    if not found:
-        return PauseState()
-    return PauseState(
-        paused=True,
-        hard=any(bool(s.get("hard")) for s in found),
-        reason="; ".join(str(s["reason"]) for s in found if s.get("reason")) or None,
-    )
 
 
 class DbStore:
@@ -214,10 +199,10 @@ class DbStore:
     def pause_state(self, pool: str) -> PauseState:
         with session_scope(self.url) as session:
             states = scheduler_repo.get_states(
-                session, [scheduler_repo.PAUSE_ALL, scheduler_repo.pause_key(pool)]
+                session, [scheduler_state.PAUSE_ALL_KEY, scheduler_state.pause_key(pool)]
             )
-        return pause_from_states(states, pool)
+        return scheduler_state.pause_for(states, pool)
 
     def publish_load(self, pool: str, reading: dict[str, Any], at: float) -> None:
         with session_scope(self.url) as session:
-            scheduler_repo.put_state(session, scheduler_repo.load_key(pool), reading, at)
+            scheduler_repo.put_state(session, scheduler_state.load_key(pool), reading, at)

@@ -10,12 +10,12 @@ from typing import Any
 
 import orjson
 
+from offpeak.scheduler_state import PauseState
 from offpeak.settings import window_seconds
 from offpeak.statuses import BatchStatus, LineStatus
 from storage.repositories.requests import ClaimedRequest
 from storage.repositories.scheduler import BatchBacklog, EngineHistory
 from workers.scheduler.clock import VirtualClock
-from workers.scheduler.signals import PauseState
 from workers.scheduler.store import WriteBack, WriteBackReport
 from workers.sim.engine import MODEL
 
