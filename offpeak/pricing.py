@@ -7,6 +7,8 @@ tokens would cost at the real-time list price. Pure arithmetic on settings, used
   + output × output list price, each per million tokens
 - price billed = real-time price × (1 − batch discount); saving = real-time price − price billed
 - cost per million tokens = cost / (input + output tokens) × 1e6
+- engine seconds are attributed to batches by weighted tokens (``TokenWeights``; the rule is in
+  ``storage.repositories.ledger``)
 """
 
 from __future__ import annotations
@@ -15,11 +17,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from offpeak.settings import ModelPricing, Settings
-from storage.repositories.ledger import TokenWeights
 
 #: Digits kept for dollar amounts (the ledger stores 10).
 MONEY_DIGITS = 10
 _NO_PRICES = ModelPricing()
+
+
+@dataclass(frozen=True)
+class TokenWeights:
+    """Engine-time weight of one uncached prompt token, one cached prompt token and one
+    completion token (only their ratios matter)."""
+
+    prefill: float = 1.0
+    cached: float = 0.0
+    decode: float = 1.0
 
 
 def token_weights(settings: Settings) -> TokenWeights:

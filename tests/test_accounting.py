@@ -16,13 +16,13 @@ from rich.console import Console
 from sqlalchemy import delete, select
 
 from offpeak import client_tools
+from offpeak.pricing import TokenWeights
 from offpeak.settings import ModelConfig, ModelPricing, Settings
 from storage.db import session_scope
 from storage.models import EngineChunk, EngineChunkBatch, LedgerEntry
 from storage.repositories import engine_chunks
 from storage.repositories import ledger as ledger_repo
 from storage.repositories.engine_chunks import BatchTokens
-from storage.repositories.ledger import TokenWeights
 from tests import accounting_helpers as helpers
 from tests.accounting_helpers import AcctTenant as Tenant
 from tests.accounting_helpers import end

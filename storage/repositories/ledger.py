@@ -23,22 +23,13 @@ from sqlalchemy import ColumnElement, Float, case, cast, exists, func, literal, 
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from offpeak.pricing import TokenWeights
 from offpeak.statuses import BatchStatus
 from storage.models import Batch, EngineChunk, EngineChunkBatch, LedgerEntry
 
 DAY_SECONDS = 86_400
 #: Histogram bounds of time-to-complete as a share of the completion window (1.0 = at the deadline).
 WINDOW_SHARE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
-
-
-@dataclass(frozen=True)
-class TokenWeights:
-    """Engine-time weight of one uncached prompt token, one cached prompt token and one
-    completion token (only their ratios matter)."""
-
-    prefill: float = 1.0
-    cached: float = 0.0
-    decode: float = 1.0
 
 
 def batch_key(batch_id: str) -> str:
