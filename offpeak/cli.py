@@ -81,16 +81,16 @@ def worker(
     import logging
     import signal
 
-    from offpeak import processes
+    from offpeak import process_tree
 
     def exit_now(signum: int, _frame: object) -> None:
         # Until Celery runs nothing is held: stop the engine being built, and exit.
-        processes.kill_children(timeout=0)
+        process_tree.kill_children(timeout=0)
         os._exit(128 + signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, exit_now)
-    processes.spawned_children_die_with_this_process()
+    process_tree.spawned_children_die_with_this_process()
     if models:
         os.environ["OFFPEAK_WORKER_MODELS"] = models
         get_settings.cache_clear()
@@ -166,7 +166,7 @@ def worker(
         celery_app.worker_main(argv)
     finally:
         engines.close_all()  # if Celery ended without its worker_shutdown signal
-        processes.kill_children(timeout=5)
+        process_tree.kill_children(timeout=5)
 
 
 @app.command()

@@ -6,8 +6,7 @@
 - ``OffpeakUp`` runs ``offpeak up`` as one child process, as a user would (``offpeak demo``).
 - ``ServiceProcesses`` starts the same processes one by one, without restarts, for tests and
   benchmarks that kill or add single workers.
-- ``die_with_parent``, ``spawned_children_die_with_this_process`` and ``kill_children`` make
-  sure no child outlives its parent, even when the parent is SIGKILLed (Linux).
+- No child outlives its parent, even when the parent is SIGKILLed (``offpeak.process_tree``).
 
 Every child is the leader of its own process group (``start_new_session``): a Ctrl-C in the
 terminal reaches the supervisor only, which then stops each child in order, and a group can be
@@ -16,8 +15,6 @@ killed whole once its leader is gone, grandchildren included.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import functools
 import logging
 import os
@@ -34,105 +31,14 @@ from types import FrameType
 
 import httpx
 
+from offpeak.process_tree import die_with_parent, kill_group
+from offpeak.process_tree import kill_children as kill_children  # workers.celery_app, until moved
+
 log = logging.getLogger("offpeak.up")
 
-#: prctl(2) option: the signal a process gets when the thread that started it ends.
-_PR_SET_PDEATHSIG = 1
 #: Seconds a child gets to stop after SIGTERM before its group is SIGKILLed. An engine worker
 #: hands its lines back and closes its engine within 30 s (``offpeak worker --stop-timeout``).
 STOP_SECONDS = 40.0
-
-
-# -- children that die with their parent ------------------------------------------------------
-
-
-def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKILL) -> None:
-    """Have the kernel send ``sig`` to this process when its parent dies (Linux
-    ``prctl(PR_SET_PDEATHSIG)``; a no-op elsewhere). Meant for ``Popen(preexec_fn=...)``.
-
-    The parent is, to the kernel, the *thread* that started this process: start children from a
-    thread that lives as long as the parent process (its main thread). If ``expected_parent``
-    (a pid) is no longer the parent, it died before the call and this process exits at once.
-    Raises ``OSError`` when prctl fails.
-    """
-    if sys.platform != "linux":
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, os.strerror(errno))
-    if expected_parent is not None and os.getppid() != expected_parent:
-        os._exit(1)
-
-
-# Run first by a spawned child's interpreter: the same prctl, then the parent check. Inline, with
-# the standard library only, since it runs before anything of the child is imported.
-_SPAWN_PRELUDE = (
-    "import ctypes as _c, os as _o; _c.CDLL(None).prctl({option}, {sig}, 0, 0, 0); "
-    "_o.getppid() == {parent} or _o._exit(1); "
-)
-
-
-def spawned_children_die_with_this_process() -> None:
-    """Make every ``multiprocessing`` child this process starts with the *spawn* method get
-    SIGKILL when this process dies, SIGKILL of this process included (Linux; a no-op elsewhere).
-
-    vLLM starts its engine-core with spawn (always on CPU; on GPU once CUDA is initialized) and,
-    when its parent is killed, the engine-core lives on, holding the model's memory (on a GPU,
-    the device's). A spawned child is a fresh ``python -c 'from multiprocessing.spawn import
-    spawn_main; ...'``; this wraps ``multiprocessing.spawn.get_command_line`` so that command
-    first sets the child's parent-death signal. Children must be started from the main thread
-    (see ``die_with_parent``): an engine worker builds its engines there. Idempotent.
-    """
-    if sys.platform != "linux":
-        return
-    from multiprocessing import spawn
-
-    original = spawn.get_command_line
-    if getattr(original, "offpeak_dies_with_parent", False):
-        return
-
-    @functools.wraps(original)
-    def get_command_line(**kwds: object) -> list[str]:
-        line: list[str] = original(**kwds)
-        if "-c" in line:
-            at = line.index("-c") + 1
-            if line[at].startswith("from multiprocessing.spawn import spawn_main"):
-                prelude = _SPAWN_PRELUDE.format(
-                    option=_PR_SET_PDEATHSIG, sig=int(signal.SIGKILL), parent=os.getpid()
-                )
-                line = [*line[:at], prelude + line[at], *line[at + 1 :]]
-        return line
-
-    get_command_line.offpeak_dies_with_parent = True  # type: ignore[attr-defined]
-    spawn.get_command_line = get_command_line
-
-
-def kill_children(timeout: float = 5.0, pid: int | None = None) -> None:
-    """End every descendant of process ``pid`` (default: this one): SIGTERM, then SIGKILL to
-    those still alive after ``timeout`` seconds (``timeout`` 0: SIGKILL at once). Never raises
-    for a process that is already gone."""
-    import psutil
-
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return
-    if timeout > 0:
-        for child in children:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.terminate()
-        _, children = psutil.wait_procs(children, timeout=timeout)
-    for child in children:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-    psutil.wait_procs(children, timeout=5)
-
-
-def _kill_group(pgid: int) -> None:
-    """SIGKILL what is left of a child's process group (its leader may be gone already)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
 
 
 def _describe_exit(code: int) -> str:
@@ -223,7 +129,7 @@ class Supervisor:
             code = child.proc.poll()
             if code is None:
                 continue
-            _kill_group(child.proc.pid)  # what it left behind (an engine-core, a beat)
+            kill_group(child.proc.pid)  # what it left behind (an engine-core, a beat)
             ran = now - child.started_at
             child.quick_exits = 1 if ran >= self.stable_seconds else child.quick_exits + 1
             delay = min(self.first_backoff * 2 ** (child.quick_exits - 1), self.max_backoff)
@@ -269,7 +175,7 @@ class Supervisor:
         )
         for child in self.children:
             if child.proc is not None:
-                _kill_group(child.proc.pid)
+                kill_group(child.proc.pid)
                 log.info(
                     "%s (pid %d) %s", child.name, child.proc.pid, _describe_exit(child.proc.wait())
                 )
@@ -287,7 +193,7 @@ def _wait_then_kill(
             for proc in procs:
                 if proc.poll() is None:
                     log.warning("pid %d did not stop; killing its process group", proc.pid)
-                    _kill_group(proc.pid)
+                    kill_group(proc.pid)
             for proc in procs:
                 proc.wait()
             return True
@@ -477,5 +383,5 @@ class ServiceProcesses:
                 proc.terminate()
         _wait_then_kill(procs, STOP_SECONDS)
         for proc in procs:
-            _kill_group(proc.pid)
+            kill_group(proc.pid)
         self.procs.clear()

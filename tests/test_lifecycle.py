@@ -230,7 +230,7 @@ def test_killed_control_worker_leaves_no_beat_and_one_beat_runs(tmp_path: Path) 
 
 _SPAWNER = """
 import multiprocessing, sys, time
-from offpeak.processes import spawned_children_die_with_this_process
+from offpeak.process_tree import spawned_children_die_with_this_process
 if __name__ == "__main__":
     if sys.argv[1] == "armed":
         spawned_children_die_with_this_process()

@@ -1,0 +1,113 @@
+"""No child outlives its parent: the process-lifetime rules every Offpeak process follows
+(Linux; no-ops elsewhere).
+
+- ``die_with_parent``: a ``Popen(preexec_fn=...)`` child gets SIGKILL when its parent dies.
+- ``spawned_children_die_with_this_process``: the same for ``multiprocessing`` *spawn*
+  children (vLLM's engine-core), SIGKILL of this process included.
+- ``kill_children``: end every descendant of a process (a worker's last act before it exits).
+- ``kill_group``: SIGKILL what is left of a child's process group.
+
+Used by the workers (``offpeak worker``, ``workers.celery_app``) and by the supervisor of
+``offpeak up`` (``offpeak.cli.supervisor``). Standard library and psutil only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import signal
+import sys
+
+#: prctl(2) option: the signal a process gets when the thread that started it ends.
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``; a no-op elsewhere). Meant for ``Popen(preexec_fn=...)``.
+
+    The parent is, to the kernel, the *thread* that started this process: start children from a
+    thread that lives as long as the parent process (its main thread). If ``expected_parent``
+    (a pid) is no longer the parent, it died before the call and this process exits at once.
+    Raises ``OSError`` when prctl fails.
+    """
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(1)
+
+
+# Run first by a spawned child's interpreter: the same prctl, then the parent check. Inline, with
+# the standard library only, since it runs before anything of the child is imported.
+_SPAWN_PRELUDE = (
+    "import ctypes as _c, os as _o; _c.CDLL(None).prctl({option}, {sig}, 0, 0, 0); "
+    "_o.getppid() == {parent} or _o._exit(1); "
+)
+
+
+def spawned_children_die_with_this_process() -> None:
+    """Make every ``multiprocessing`` child this process starts with the *spawn* method get
+    SIGKILL when this process dies, SIGKILL of this process included (Linux; a no-op elsewhere).
+
+    vLLM starts its engine-core with spawn (always on CPU; on GPU once CUDA is initialized) and,
+    when its parent is killed, the engine-core lives on, holding the model's memory (on a GPU,
+    the device's). A spawned child is a fresh ``python -c 'from multiprocessing.spawn import
+    spawn_main; ...'``; this wraps ``multiprocessing.spawn.get_command_line`` so that command
+    first sets the child's parent-death signal. Children must be started from the main thread
+    (see ``die_with_parent``): an engine worker builds its engines there. Idempotent.
+    """
+    if sys.platform != "linux":
+        return
+    from multiprocessing import spawn
+
+    original = spawn.get_command_line
+    if getattr(original, "offpeak_dies_with_parent", False):
+        return
+
+    @functools.wraps(original)
+    def get_command_line(**kwds: object) -> list[str]:
+        line: list[str] = original(**kwds)
+        if "-c" in line:
+            at = line.index("-c") + 1
+            if line[at].startswith("from multiprocessing.spawn import spawn_main"):
+                prelude = _SPAWN_PRELUDE.format(
+                    option=_PR_SET_PDEATHSIG, sig=int(signal.SIGKILL), parent=os.getpid()
+                )
+                line = [*line[:at], prelude + line[at], *line[at + 1 :]]
+        return line
+
+    get_command_line.offpeak_dies_with_parent = True  # type: ignore[attr-defined]
+    spawn.get_command_line = get_command_line
+
+
+def kill_children(timeout: float = 5.0, pid: int | None = None) -> None:
+    """End every descendant of process ``pid`` (default: this one): SIGTERM, then SIGKILL to
+    those still alive after ``timeout`` seconds (``timeout`` 0: SIGKILL at once). Never raises
+    for a process that is already gone."""
+    import psutil
+
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    if timeout > 0:
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.terminate()
+        _, children = psutil.wait_procs(children, timeout=timeout)
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    psutil.wait_procs(children, timeout=5)
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL what is left of a child's process group (its leader may be gone already)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
