@@ -126,6 +126,7 @@ def worker(
             raise typer.BadParameter(f"not configured: {', '.join(unknown)}", param_hint="--models")
         for name in settings.served_models:
             registry.load(settings, name)
+        from storage import task_messages
         from storage.db import session_scope
         from storage.repositories import workers as workers_repo
         from workers.runner import worker_id
@@ -139,7 +140,7 @@ def worker(
         def _resume(**_kwargs: object) -> None:
             # Pick up lines left by a crash or a restart without waiting for the sweep.
             for name in settings.served_models:
-                queues.send_drain(settings, name)
+                task_messages.send_drain(settings, name)
 
         argv = [
             "worker",

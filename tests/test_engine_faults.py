@@ -441,8 +441,8 @@ def test_the_drain_task_rebuilds_a_failed_engine(
     monkeypatch.setattr(tasks, "get_settings", lambda: settings)
     monkeypatch.setattr(registry, "load", load)
     monkeypatch.setattr(registry, "device_name", lambda: "cpu")
-    monkeypatch.setattr(tasks.queues, "send_drain", lambda _s, model: sent.append(model))
-    monkeypatch.setattr(tasks.queues, "send_finalize", lambda _s, _b, **_k: None)
+    monkeypatch.setattr(tasks.task_messages, "send_drain", lambda _s, model: sent.append(model))
+    monkeypatch.setattr(tasks.task_messages, "send_finalize", lambda _s, _b, **_k: None)
     monkeypatch.setattr(tasks, "_runners", {})
     monkeypatch.setattr(tasks, "_engine_failures", {})
     tasks.drain_model(MODEL)  # the first engine dies at its third step

@@ -11,6 +11,7 @@ from offpeak import queues
 from offpeak.ids import worker_id
 from offpeak.settings import Settings, get_settings
 from offpeak.statuses import BatchStatus
+from storage import task_messages
 from storage.blobs import get_blob_store
 from storage.db import session_scope
 from storage.repositories import batches as batches_repo
@@ -32,10 +33,10 @@ log = logging.getLogger(__name__)
 @app.task(name=queues.VALIDATE_TASK)
 def validate_batch(batch_id: str, mark: str | None = None) -> None:
     settings = get_settings()
-    queues.message_started(settings, queues.validate_key(batch_id), mark)
+    task_messages.message_started(settings, queues.validate_key(batch_id), mark)
     model = run_validation(settings, get_blob_store(settings.resolved_blob_url), batch_id)
     if model is not None:
-        queues.send_drain(settings, model)
+        task_messages.send_drain(settings, model)
 
 
 #: One runner per served model in this process, kept between drain tasks: the gate's hysteresis,
@@ -88,7 +89,7 @@ def recover_engine(settings: Settings, model: str, fault: EngineFault) -> None:
         _exit_broken()
     if model in _runners:
         _runners[model].replace_engine(engine)
-    queues.send_drain(settings, model)
+    task_messages.send_drain(settings, model)
 
 
 def _exit_broken() -> None:
@@ -106,20 +107,21 @@ def drain_model(model: str, mark: str | None = None) -> None:
     drain every ``sweep_seconds`` while batches of the model are running. A failed engine is
     rebuilt (``recover_engine``): its lines go back to pending, never to failed."""
     settings = get_settings()
-    queues.message_started(settings, queues.drain_key(model), mark)  # the next send queues one
+    # The next send queues one.
+    task_messages.message_started(settings, queues.drain_key(model), mark)
     # Pass the baton: while lines wait, one drain stays queued, so every idle engine worker of
     # the model joins in turn (a busy one takes no second message: prefetch 1, solo pool).
     with session_scope(settings.resolved_database_url) as session:
         waiting = requests_repo.has_pending(session, model)
     if waiting:
-        queues.send_drain(settings, model)
+        task_messages.send_drain(settings, model)
     try:
         stats = runner_for(settings, model).drain()
     except EngineFault as fault:
         recover_engine(settings, model, fault)
         return
     for batch_id in stats.touched:
-        queues.send_finalize(settings, batch_id)
+        task_messages.send_finalize(settings, batch_id)
     if stats.outcome == "yielded":
         log.info("%s: batch work held back (%s)", model, _runners[model].gate.reason)
 
@@ -129,10 +131,10 @@ def finalize_batch(batch_id: str, mark: str | None = None) -> None:
     """Finalize the batch; while it waits for its lines, queue the next look (one chain per
     batch: ``send_finalize`` skips it when another finalize of the batch is queued sooner)."""
     settings = get_settings()
-    queues.message_started(settings, queues.finalize_key(batch_id), mark)
+    task_messages.message_started(settings, queues.finalize_key(batch_id), mark)
     step = finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
     if step.retry_in is not None:
-        queues.send_finalize(settings, batch_id, countdown=step.retry_in)
+        task_messages.send_finalize(settings, batch_id, countdown=step.retry_in)
 
 
 @app.task(name=queues.SWEEP_TASK)
@@ -150,11 +152,11 @@ def sweep() -> None:
         models = batches_repo.active_models(session)
         queued_messages.purge(session, before=at - 4 * queues.MAX_WAIT_SECONDS)
     # Each is skipped while a message for it is queued, and re-sent once that one is lost.
-    queues.send_finalizes(settings, sorted({*expired, *cancelling, *finalizing}))
-    queues.send_validates(settings, validating)
+    task_messages.send_finalizes(settings, sorted({*expired, *cancelling, *finalizing}))
+    task_messages.send_validates(settings, validating)
     for model in models:
         if model in settings.models:
-            queues.send_drain(settings, model)
+            task_messages.send_drain(settings, model)
     # Estimates move on while no engine worker runs the model (load high, workers down).
     sweep_estimates(settings, [m for m in models if m in settings.models], time.time())
     accounting.bill_unbilled(settings)  # ended batches whose billing step failed or never ran

@@ -3,16 +3,18 @@ module only records intent and sends the task once the transaction has committed
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, Conflict, NotFound
 from api.schemas import CreateBatch
-from offpeak import endpoints, queues
+from offpeak import endpoints
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings, window_seconds
 from offpeak.statuses import BatchStatus
+from storage import task_messages
 from storage.db import after_commit
 from storage.models import Batch
 from storage.repositories import batches as batches_repo
@@ -95,9 +97,8 @@ def create(session: Session, settings: Settings, tenant_id: str, request: Create
             output_tokens=0,
         ),
     )
-    after_commit(
-        session, lambda: queues.send_validate(settings, batch.id), f"sending validate {batch.id}"
-    )
+    send = partial(task_messages.send_validate, settings, batch.id)
+    after_commit(session, send, f"sending validate {batch.id}")
     return batch
 
 
@@ -138,7 +139,6 @@ def cancel(session: Session, settings: Settings, tenant_id: str, batch_id: str) 
     batch.status = BatchStatus.CANCELLING
     batch.cancelling_at = now()
     session.flush()
-    after_commit(
-        session, lambda: queues.send_finalize(settings, batch.id), f"sending finalize {batch.id}"
-    )
+    send = partial(task_messages.send_finalize, settings, batch.id)
+    after_commit(session, send, f"sending finalize {batch.id}")
     return batch
