@@ -99,14 +99,24 @@ def test_kombu_filesystem_transport_reads_half_written_messages(
     writers_done = SPAWN.Event()
     writer = SPAWN.Process(target=_produce, args=(tmp_path, KOMBU, queue_name, 0, 20_000))
     writer.start()
+    _set_when_ended([writer], writers_done)  # so the consumer ends if the race never hits
     try:
         _, errors = _consume(tmp_path, KOMBU, queue_name, writers_done, stop_at_first_error=True)
-        # The writer may finish first on a quiet machine; then drain what is left.
-        writers_done.set()
     finally:
         writer.kill()
         writer.join()
     assert errors and errors[0].startswith("JSONDecodeError"), errors
+
+
+def _set_when_ended(procs: list[Any], event: Any) -> None:
+    """Set ``event`` from a thread once every process of ``procs`` has ended."""
+
+    def watch() -> None:
+        for proc in procs:
+            proc.join()
+        event.set()
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def test_atomic_transport_delivers_every_message_exactly_once(
@@ -128,14 +138,7 @@ def test_atomic_transport_delivers_every_message_exactly_once(
     for proc in (*writers, other):
         proc.start()
 
-    # This process consumes too; a thread sets the flag once both writers have ended.
-    def watch() -> None:
-        for proc in writers:
-            proc.join()
-        writers_done.set()
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    _set_when_ended(writers, writers_done)  # this process consumes too
     ids, errors = _consume(tmp_path, OURS, queue_name, writers_done, stop_at_first_error=False)
     other.join()
     assert all(proc.exitcode == 0 for proc in (*writers, other))
@@ -155,10 +158,11 @@ def _bind_exchanges(folder: Path, transport: str, count: int) -> None:
             channel._queue_bind(f"ex{k}", f"rk{k}", "", f"q{k}")
 
 
-def _read_tables_while_created(folder: Path, transport: str) -> tuple[int, list[str]]:
+def _read_tables_while_created(folder: Path, transport: str, count: int) -> tuple[int, list[str]]:
     """Read each exchange table as soon as its file appears, while another process creates
-    them (as a publish looks up the table of the exchange a new worker just declared)."""
-    writer = SPAWN.Process(target=_bind_exchanges, args=(folder, transport, 500))
+    ``count`` of them (as a publish looks up the table of the exchange a new worker just
+    declared). Stops at the fifth error: (reads, errors)."""
+    writer = SPAWN.Process(target=_bind_exchanges, args=(folder, transport, count))
     writer.start()
     reads, errors, k = 0, [], 0
     control = folder / "control"
@@ -181,12 +185,12 @@ def _read_tables_while_created(folder: Path, transport: str) -> tuple[int, list[
 
 def test_kombu_exchange_table_is_read_half_created(tmp_path: Path) -> None:
     """Control: kombu creates an exchange table empty, then writes it; a reader sees it empty."""
-    _, errors = _read_tables_while_created(tmp_path, KOMBU)
+    _, errors = _read_tables_while_created(tmp_path, KOMBU, 10_000)
     assert errors and errors[0].startswith("JSONDecodeError"), errors
 
 
 def test_atomic_exchange_tables_are_never_read_partial(tmp_path: Path) -> None:
-    reads, errors = _read_tables_while_created(tmp_path, OURS)
+    reads, errors = _read_tables_while_created(tmp_path, OURS, 1_000)
     assert errors == [] and reads > 0
     # Every table the writer finished holds its binding, and no temporary file is left.
     with _connect(tmp_path, OURS) as conn:

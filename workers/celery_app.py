@@ -64,7 +64,7 @@ def install_stop_handling(role: str, stop_timeout: float) -> None:
         signals_seen += 1
         if signals_seen > 1:
             force_exit(f"{sig} during shutdown")
-        log.info("%s: stopping; the runner hands its lines back", sig)
+        log.info("%s: stopping within %.0f s (a second signal exits at once)", sig, stop_timeout)
         lifecycle.request_stop()
         timer = threading.Timer(
             stop_timeout, force_exit, args=(f"not stopped {stop_timeout:.0f} s after {sig}",)
