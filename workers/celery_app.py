@@ -33,7 +33,7 @@ def force_exit(reason: str) -> None:
     """Kill this process's children (an engine-core) at once, then exit with ``EXIT_FORCED``
     without running cleanup that could block. Lines this worker still held stay leased to it
     and are taken over once the lease expires (``OFFPEAK_LEASE_SECONDS``)."""
-    from offpeak.processes import kill_children
+    from offpeak.process_tree import kill_children
 
     log.warning("exiting at once: %s", reason)
     try:
