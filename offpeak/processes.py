@@ -32,7 +32,6 @@ from types import FrameType
 import httpx
 
 from offpeak.process_tree import die_with_parent, kill_group
-from offpeak.process_tree import kill_children as kill_children  # workers.celery_app, until moved
 
 log = logging.getLogger("offpeak.up")
 
