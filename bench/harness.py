@@ -29,7 +29,7 @@ from psycopg.conninfo import conninfo_to_dict
 from rich.console import Console
 from rich.table import Table
 
-from offpeak.processes import ServiceProcesses
+from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.statuses import BatchStatus
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

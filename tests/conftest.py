@@ -20,7 +20,7 @@ from openai import OpenAI
 import migrations
 from api.app import create_app
 from api.services import keys
-from offpeak.processes import ServiceProcesses
+from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import Settings
 from storage.db import session_scope
 from tests.services import free_port, own_postgres, own_redis  # noqa: F401 (fixtures for all)

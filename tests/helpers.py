@@ -16,7 +16,7 @@ from api.schemas import CreateBatch
 from api.services import batches as batches_service
 from api.services import files as files_service
 from api.services import keys
-from offpeak.client_tools import read_lines
+from offpeak.cli.client import read_lines
 from offpeak.settings import Settings
 from storage.blobs import get_blob_store
 from storage.db import session_scope

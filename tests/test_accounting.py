@@ -15,7 +15,7 @@ from openai.types import Batch, BatchRequestCounts, BatchUsage
 from rich.console import Console
 from sqlalchemy import delete, select
 
-from offpeak import client_tools
+from offpeak.cli import client as client_tools
 from offpeak.pricing import TokenWeights
 from offpeak.settings import ModelConfig, ModelPricing, Settings
 from storage.db import session_scope

@@ -26,7 +26,7 @@ from openai import OpenAI
 from sqlalchemy import func, select
 
 import migrations
-from offpeak.processes import ServiceProcesses
+from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import Settings
 from storage.db import session_scope
 from storage.models import EngineChunk, RequestLine, WorkerRecord

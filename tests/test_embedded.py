@@ -9,7 +9,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from offpeak.processes import ServiceProcesses
+from offpeak.cli.supervisor import ServiceProcesses
 from tests.conftest import CASES, free_port, wait_for_end
 from tests.helpers import check_ran_batch
 

@@ -12,7 +12,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from offpeak.processes import ServiceProcesses
+from offpeak.cli.supervisor import ServiceProcesses
 from tests.conftest import wait_for_end
 from tests.helpers import check_ran_batch
 from tests.test_e2e import chat_line, submit

@@ -26,7 +26,7 @@ import pytest
 from openai import OpenAI
 from sqlalchemy import func, select
 
-from offpeak.processes import OffpeakUp, ServiceProcesses
+from offpeak.cli.supervisor import OffpeakUp, ServiceProcesses
 from offpeak.settings import Settings
 from storage.db import session_scope
 from storage.models import RequestLine

@@ -27,7 +27,7 @@ from sqlalchemy import delete, select, update
 import migrations
 from api.app import create_app
 from api.services import health as health_service
-from offpeak.processes import ServiceProcesses
+from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import ModelConfig, Settings
 from storage.db import session_scope
 from storage.models import WorkerRecord
@@ -393,7 +393,7 @@ def test_heartbeat_thread_beats_then_retires(lv_settings: Settings, db_url: str)
 def test_client_health_read_never_fails(sdk: Any) -> None:
     from openai import OpenAI
 
-    from offpeak import client_tools
+    from offpeak.cli import client as client_tools
 
     nobody = OpenAI(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key="k", max_retries=5)
     assert client_tools.health(nobody) is None

@@ -2,12 +2,12 @@
 ``docs/benchmarks.md``). Each prints a table and writes ``bench/results/<name>.json``.
 
 They need PostgreSQL and Redis (``OFFPEAK_BENCH_PG``, ``OFFPEAK_BENCH_REDIS``; a scratch database
-and queue prefix are made and removed per run) and a checkout: ``bench/`` is not installed.
+and queue prefix are made and removed per run). ``bench`` is installed with this package; each
+command imports its module only when it runs, so ``offpeak --help`` stays fast.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -20,16 +20,6 @@ bench_app = typer.Typer(
 OutDir = Annotated[
     Path | None, typer.Option("--out", help="Folder for the JSON result (default bench/results).")
 ]
-
-
-def _bench():  # type: ignore[no-untyped-def]
-    """Import ``bench`` from the checkout this package is installed from (editable installs)."""
-    root = str(Path(__file__).resolve().parents[1])
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    import bench
-
-    return bench
 
 
 @bench_app.command("e2e")
@@ -48,7 +38,6 @@ def e2e(
     out: OutDir = None,
 ) -> None:
     """The real model three ways: vLLM's LLM.chat, vLLM's run_batch, Offpeak (a few minutes)."""
-    _bench()
     from bench import e2e as module
 
     module.run(requests, max_tokens, out, gpu_memory_utilization, repeat, dtype)
@@ -63,7 +52,6 @@ def intake(
     out: OutDir = None,
 ) -> None:
     """Upload + validation + rows stored, against parsing the file with orjson; API RSS."""
-    _bench()
     from bench import intake as module
 
     module.run(lines, tuple(megabytes or (100.0, 200.0)), out)
@@ -75,7 +63,6 @@ def control(
     out: OutDir = None,
 ) -> None:
     """The instant engine: requests/s from create to the output file downloaded."""
-    _bench()
     from bench import control as module
 
     module.run(lines, out)
@@ -88,7 +75,6 @@ def memory(
     out: OutDir = None,
 ) -> None:
     """Peak RSS of the workers over a small and a large batch (instant engine)."""
-    _bench()
     from bench import memory as module
 
     module.run(small, large, out)
@@ -100,7 +86,6 @@ def plot(
     output: Annotated[Path, typer.Option("-o", "--output")] = Path("docs/benchmarks.png"),
 ) -> None:
     """Draw the results of the four benchmarks into one PNG."""
-    _bench()
     from bench import plot as module
 
     module.draw(results, output)
@@ -112,7 +97,6 @@ def projection(
     out: OutDir = None,
 ) -> None:
     """On paper, not measured: Llama 3.1 8B bf16 on one H200 from the planner's cost models."""
-    _bench()
     from bench import projection as module
 
     module.run(price_per_hour, out)
@@ -123,7 +107,6 @@ def report(
     results: Annotated[Path | None, typer.Option(help="Folder of the JSON results.")] = None,
 ) -> None:
     """Print the JSON results as the markdown tables of docs/benchmarks.md."""
-    _bench()
     from bench import report as module
 
     typer.echo(module.markdown(results))

@@ -1,5 +1,11 @@
-"""The ``offpeak`` command line: run the service (``serve``, ``worker``, ``migrate``), manage keys,
-and use it as a client (``submit``, ``status``, ``download``, ``demo``)."""
+"""The ``offpeak`` command line: run the service (``serve``, ``worker``, ``migrate``, ``up``),
+manage keys, and use it as a client (``submit``, ``status``, ``download``, ``demo``).
+
+This package holds every entry point (the commands, the demo, the supervisor of ``offpeak up``,
+the client helpers, the benchmark commands) and may import anything; nothing below it (the core
+``offpeak``, ``storage``, ``api``, ``workers``) imports it. The import contracts in
+``pyproject.toml`` check that.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +17,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from offpeak.cli_bench import bench_app
-from offpeak.cli_plan import calibrate_command, plan_app, simulate_app
-from offpeak.cli_sched import pause_command, resume_command, simulate_day_command
+from offpeak.cli.bench import bench_app
+from offpeak.cli.plan import calibrate_command, plan_app, simulate_app
+from offpeak.cli.sched import pause_command, resume_command, simulate_day_command
 from offpeak.settings import get_settings
 
 app = typer.Typer(help="Offpeak: the OpenAI Batch API on idle GPU time.", no_args_is_help=True)
@@ -190,7 +196,7 @@ def up(
     import subprocess
     import sys
 
-    from offpeak.processes import Supervisor, up_children
+    from offpeak.cli.supervisor import Supervisor, up_children
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = get_settings()
@@ -246,7 +252,7 @@ def submit(
 ) -> None:
     """Upload FILE and create a batch (through the OpenAI SDK, as a user's code would). With
     --wait, warns on stderr when no live worker can run the batch (from the server's /healthz)."""
-    from offpeak import client_tools
+    from offpeak.cli import client as client_tools
 
     batch = client_tools.submit(_client(), file, endpoint, window)
     console.print(f"batch [bold]{batch.id}[/bold] created ({batch.status})")
@@ -270,7 +276,7 @@ def submit(
 @app.command()
 def status(batch_id: str) -> None:
     """Show a batch's status, request counts and usage."""
-    from offpeak import client_tools
+    from offpeak.cli import client as client_tools
 
     client_tools.print_summary(_client().batches.retrieve(batch_id), console)
 
@@ -283,7 +289,7 @@ def usage_command(
     """What this key's tenant was billed: requests, tokens, GPU-seconds, cost, price, saving."""
     import time
 
-    from offpeak import client_tools
+    from offpeak.cli import client as client_tools
 
     end = int(time.time()) + 1
     grouping = None if group_by == "none" else group_by
@@ -299,7 +305,7 @@ def download(
     ] = Path("output.jsonl"),
 ) -> None:
     """Download a finished batch's output file (and its error file next to it, if any)."""
-    from offpeak import client_tools
+    from offpeak.cli import client as client_tools
 
     for path in client_tools.download(_client(), batch_id, output):
         console.print(f"wrote {path}")
@@ -311,7 +317,7 @@ def demo(
 ) -> None:
     """Start the API and workers, run examples/quickstart.jsonl on the real default model through
     the OpenAI SDK, show progress and answers, and leave the output file on disk."""
-    from offpeak.demo import run_demo
+    from offpeak.cli.demo import run_demo
 
     raise typer.Exit(run_demo(port, console))
 

@@ -20,12 +20,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from offpeak.client_tools import read_lines
-from offpeak.processes import OffpeakUp
+from offpeak.cli.client import read_lines
+from offpeak.cli.supervisor import OffpeakUp
 from offpeak.settings import get_settings
 from offpeak.statuses import BatchStatus
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.jsonl"
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.jsonl"
 #: The documented local key of demo mode (tenant ``local``); never set it on a shared server.
 DEMO_KEY = "sk-offpeak-local-demo"
 OUTPUT = Path("offpeak-demo-output.jsonl")
