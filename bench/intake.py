@@ -20,6 +20,7 @@ import psycopg
 from bench import harness
 from bench.generator import write_padded_file
 from bench.harness import MB, MIB, RssSampler
+from offpeak.statuses import BatchStatus
 
 MODEL = "bench-model"
 TARGET_MB_S = 20.0
@@ -52,7 +53,9 @@ def measure(path: Path, lines: int) -> dict[str, Any]:
         small = path.parent / "small.jsonl"
         write_padded_file(small, 4, 4000, model=MODEL)
         warm = harness.create(client, harness.upload(client, small))
-        harness.wait_status(client, warm.id, ("in_progress",), stack=service.stack, timeout=120)
+        harness.wait_status(
+            client, warm.id, (BatchStatus.IN_PROGRESS,), stack=service.stack, timeout=120
+        )
         load = harness.load_average()
         with RssSampler(service.pid("api")) as api_rss:
             started = time.perf_counter()
@@ -60,9 +63,11 @@ def measure(path: Path, lines: int) -> dict[str, Any]:
             uploaded = time.perf_counter()
         batch = harness.create(client, file_id)
         created = time.perf_counter()
-        batch = harness.wait_status(client, batch.id, ("in_progress",), stack=service.stack)
+        batch = harness.wait_status(
+            client, batch.id, (BatchStatus.IN_PROGRESS,), stack=service.stack
+        )
         ended = time.perf_counter()
-        if batch.status != "in_progress":
+        if batch.status != BatchStatus.IN_PROGRESS:
             raise RuntimeError(f"intake batch ended {batch.status}: {batch.errors}")
         rows = stored_rows(service.database_url, batch.id)
     total = ended - started
