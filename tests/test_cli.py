@@ -34,3 +34,33 @@ def test_keys_create_makes_a_working_key(
         with session_scope(settings.resolved_database_url) as session:
             stored = [k.key_hash for k in session.query(ApiKey).all()]
         assert key not in stored  # only the hash is kept
+
+
+def test_submit_reads_the_endpoint_of_any_first_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A first line that is not a JSON object crashed ``offpeak submit`` with a traceback after
+    the upload; now the batch is created and validation names the line."""
+    from offpeak.cli.client import first_url
+
+    for content in (b"garbage\n", b"[1]\n", b'{"url": 5}\n', b"\n\n"):
+        path = tmp_path / "in.jsonl"
+        path.write_bytes(content)
+        assert first_url(path) == "/v1/chat/completions"
+    path.write_bytes(b'\xef\xbb\xbf{"url": "/v1/completions"}\n')
+    assert first_url(path) == "/v1/completions"
+
+
+def test_download_of_a_batch_without_output_says_so_and_exits_1(
+    sdk: OpenAI, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    from offpeak import cli
+
+    file = sdk.files.create(file=("in.jsonl", b'{"custom_id": "a"}\n'), purpose="batch")
+    batch = sdk.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    monkeypatch.setattr(cli, "_client", lambda: sdk)
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(app, ["download", batch.id, "-o", str(out)])
+    assert result.exit_code == 1
+    assert f"batch {batch.id} is validating" in result.output and "no output" in result.output
+    assert not out.exists()

@@ -304,10 +304,16 @@ def download(
         Path, typer.Option("-o", "--output", help="Where to write the output file.")
     ] = Path("output.jsonl"),
 ) -> None:
-    """Download a finished batch's output file (and its error file next to it, if any)."""
+    """Download a finished batch's output file (and its error file next to it, if any). Exits 1,
+    saying why, when the batch has no file to download (it has not ended, or ended empty)."""
     from offpeak.cli import client as client_tools
 
-    for path in client_tools.download(_client(), batch_id, output):
+    try:
+        paths = client_tools.download(_client(), batch_id, output)
+    except client_tools.NoOutputError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
+    for path in paths:
         console.print(f"wrote {path}")
 
 

@@ -29,12 +29,17 @@ HEALTH_EVERY_SECONDS = 10.0
 
 
 def first_url(path: Path) -> str:
-    """The ``url`` of the file's first request line (the batch's endpoint)."""
+    """The ``url`` of the file's first request line (the batch's endpoint); chat completions
+    when it has none or is not a JSON object (validation then says what is wrong with it)."""
     with path.open("rb") as handle:
         for raw in handle:
             raw = raw.strip().removeprefix(b"\xef\xbb\xbf")
             if raw:
-                return str(orjson.loads(raw).get("url") or "/v1/chat/completions")
+                try:
+                    url = orjson.loads(raw).get("url")
+                except (orjson.JSONDecodeError, AttributeError):
+                    url = None
+                return url if isinstance(url, str) and url else "/v1/chat/completions"
     return "/v1/chat/completions"
 
 
@@ -270,9 +275,20 @@ def print_usage(report: dict[str, Any], console: Console) -> None:
     console.print(table)
 
 
+class NoOutputError(Exception):
+    """The batch has neither an output nor an error file (yet): ``status`` says why."""
+
+    def __init__(self, batch_id: str, status: str) -> None:
+        super().__init__(f"batch {batch_id} is {status}: it has no output or error file yet")
+        self.status = status
+
+
 def download(client: OpenAI, batch_id: str, output: Path) -> list[Path]:
-    """Write the output file to ``output`` and the error file to ``<stem>.errors.jsonl``."""
+    """Write the output file to ``output`` and the error file to ``<stem>.errors.jsonl``;
+    returns the paths written. Raises ``NoOutputError`` when the batch has neither file."""
     batch = client.batches.retrieve(batch_id)
+    if not batch.output_file_id and not batch.error_file_id:
+        raise NoOutputError(batch_id, batch.status)
     written = []
     targets = (
         (batch.output_file_id, output),
