@@ -60,17 +60,6 @@ def retire(session: Session, worker_id: str) -> None:
     )
 
 
-def ready_since(session: Session, since: float) -> list[WorkerRecord]:
-    """Workers that were ready at or after ``since`` (unix seconds)."""
-    return list(
-        session.scalars(
-            select(WorkerRecord).where(
-                WorkerRecord.ready.is_(True), WorkerRecord.heartbeat_at >= since
-            )
-        )
-    )
-
-
 def seen_since(session: Session, since: float) -> list[WorkerRecord]:
     """Every worker whose last heartbeat is at or after ``since`` (unix seconds), ready or
     retired, newest heartbeat first: the live ones and the recently gone."""
