@@ -22,7 +22,8 @@ from storage.db import session_scope
 from storage.errors import is_transient
 from storage.models import RequestLine
 from storage.repositories import requests as requests_repo
-from tests.helpers import check_ran_batch, line, tenant_client
+from storage.repositories.requests import FinishedLine, TokenCounts
+from tests.helpers import check_billed_once, check_ran_batch, line, tenant_client
 from tests.test_runner import make
 from workers.engine.base import EngineFault, EngineRequest, EngineResult
 from workers.engine.instant import InstantEngine
@@ -136,6 +137,7 @@ def test_a_dead_engine_hands_every_line_back_and_a_new_one_finishes_them(
     batch = sdk.batches.retrieve(batch_id)
     output, errors = check_ran_batch(sdk, batch, ids)
     assert batch.status == "completed" and len(output) == 40 and not errors
+    check_billed_once(settings.resolved_database_url, batch)
 
 
 def test_a_dead_engine_refusing_add_fails_no_line(
@@ -184,6 +186,7 @@ def test_a_poison_line_fails_alone_after_max_attempts(
     body = error["response"]["body"]["error"]
     assert body["code"] == "engine_failure" and body["type"] == "server_error"
     assert "3 times" in body["message"]
+    check_billed_once(settings.resolved_database_url, batch)
     innocent = [r.attempts for r in rows(settings, batch_id) if r.custom_id != "r7"]
     assert max(innocent) <= 2, "an innocent line was inside more than one engine failure"
 
@@ -482,3 +485,50 @@ def test_release_and_claim_count_attempts_of_crashes_only(
     assert [claim_and_release(True) for _ in range(2)] == [1, 2]  # two crashes
     assert claim_and_release(False) == 3  # the third run, handed back unrun
     assert [r.attempts for r in rows(settings, batch_id)] == [2]
+
+
+def test_a_worker_whose_lease_was_taken_over_bills_nothing_for_it(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI]
+) -> None:
+    """A stalled worker whose lines another worker took over and finished writes back late:
+    its results are refused, and its engine time must not add a second share of those lines'
+    tokens to the batch (the bill is made from the shares)."""
+    tenant, sdk = tenant_sdk
+    ids = [f"r{i}" for i in range(6)]
+    batch_id = make(settings, tenant, [line(i, model=MODEL) for i in ids])
+    url = settings.resolved_database_url
+    with session_scope(url) as session:  # worker A claims, then stalls past its lease
+        stalled = requests_repo.claim(
+            session,
+            model=MODEL,
+            limit=6,
+            owner="stalled",
+            lease_until=time.time() - 1,
+            at=time.time(),
+            batch_ids=[batch_id],
+        )
+    Runner(settings, InstantEngine(MODEL), "w-took-over").drain()  # B runs every line
+    late = [
+        FinishedLine(r.id, r.batch_id, "succeeded", time.time(), 200, "{}", TokenCounts(9, 0, 9))
+        for r in stalled
+    ]
+    from storage.repositories.engine_chunks import tokens_by_batch
+
+    DbStore(url).write_back(  # A wakes up and writes its results with its engine seconds
+        WriteBack(
+            owner="stalled",
+            model=MODEL,
+            device="cpu",
+            at=time.time(),
+            lease_until=time.time() + 60,
+            results=late,
+            per_batch=tokens_by_batch(late),
+            started_at=time.time() - 5,
+            busy_seconds=5.0,
+        )
+    )
+    finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    batch = sdk.batches.retrieve(batch_id)
+    output, _ = check_ran_batch(sdk, batch, ids)
+    assert len(output) == 6
+    check_billed_once(url, batch)

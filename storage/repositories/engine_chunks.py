@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
+from offpeak.statuses import LineStatus
 from storage.models import EngineChunk, EngineChunkBatch
+from storage.repositories.requests import FinishedLine
 
 
 @dataclass
@@ -19,6 +21,19 @@ class BatchTokens:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+
+
+def tokens_by_batch(lines: Iterable[FinishedLine]) -> dict[str, BatchTokens]:
+    """Tokens of the answered ``lines``, per batch (failed and never-run lines used none)."""
+    per_batch: dict[str, BatchTokens] = {}
+    for line in lines:
+        if line.status == LineStatus.SUCCEEDED:
+            tokens = per_batch.setdefault(line.batch_id, BatchTokens())
+            tokens.requests += 1
+            tokens.prompt_tokens += line.tokens.prompt
+            tokens.cached_tokens += line.tokens.cached
+            tokens.completion_tokens += line.tokens.completion
+    return per_batch
 
 
 def record(

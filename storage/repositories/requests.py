@@ -196,9 +196,10 @@ def has_pending(session: Session, model: str) -> bool:
     return bool(session.scalar(select(pending.exists())))
 
 
-def write_results(session: Session, owner: str, results: Sequence[FinishedLine]) -> None:
-    """Store finished rows. Only rows this owner still holds are written, so a worker whose
-    lease was taken over cannot write a second result.
+def write_results(session: Session, owner: str, results: Sequence[FinishedLine]) -> set[int]:
+    """Store finished rows; returns the ids written. Only rows this owner still holds are
+    written, so a worker whose lease was taken over cannot write a second result (nor, through
+    the returned ids, bill its engine time for it).
 
     PostgreSQL: one ``UPDATE … FROM unnest(arrays)`` whatever the number of rows, whose
     ``RETURNING`` (the rows actually written) advances the batches' counters in the same
@@ -206,10 +207,19 @@ def write_results(session: Session, owner: str, results: Sequence[FinishedLine])
     recounts.
     """
     if not results:
-        return
+        return set()
     if is_postgres(session):
-        _write_results_unnest(session, owner, results)
-        return
+        return _write_results_unnest(session, owner, results)
+    # One writer at a time on SQLite: the rows selected here stay this owner's until the update.
+    held = set(
+        session.scalars(
+            select(RequestLine.id).where(
+                RequestLine.id.in_([r.id for r in results]),
+                RequestLine.lease_owner == owner,
+                RequestLine.status == LineStatus.RUNNING,
+            )
+        )
+    )
     statement = (
         update(RequestLine)
         .where(
@@ -241,8 +251,11 @@ def write_results(session: Session, owner: str, results: Sequence[FinishedLine])
             "finished_at": r.finished_at,
         }
         for r in results
+        if r.id in held
     ]
-    session.connection().execute(statement, params)
+    if params:
+        session.connection().execute(statement, params)
+    return held
 
 
 #: ``%b``: arrays travel in binary (psycopg escapes text arrays element by element in Python,
@@ -259,11 +272,13 @@ _WRITE_RESULTS = """
     ) AS r(id, status, status_code, result, prompt_tokens, cached_tokens, completion_tokens,
            finished_at)
     WHERE q.id = r.id AND q.lease_owner = %b AND q.status = 'running'
-    RETURNING q.batch_id, q.status, q.prompt_tokens, q.cached_tokens, q.completion_tokens
+    RETURNING q.id, q.batch_id, q.status, q.prompt_tokens, q.cached_tokens, q.completion_tokens
 """
 
 
-def _write_results_unnest(session: Session, owner: str, results: Sequence[FinishedLine]) -> None:
+def _write_results_unnest(
+    session: Session, owner: str, results: Sequence[FinishedLine]
+) -> set[int]:
     columns = (
         [r.id for r in results],
         [r.status for r in results],
@@ -281,7 +296,7 @@ def _write_results_unnest(session: Session, owner: str, results: Sequence[Finish
         cursor.execute(_WRITE_RESULTS, (*columns, owner), prepare=False)
         written = cursor.fetchall()
     deltas: dict[str, CountsDelta] = {}
-    for batch_id, status, prompt, cached, completion in written:
+    for _, batch_id, status, prompt, cached, completion in written:
         delta = deltas.setdefault(batch_id, CountsDelta())
         if status == LineStatus.SUCCEEDED:
             delta.completed += 1
@@ -291,6 +306,7 @@ def _write_results_unnest(session: Session, owner: str, results: Sequence[Finish
         delta.cached_tokens += cached
         delta.output_tokens += completion
     batches_repo.add_counts(session, deltas)
+    return {row[0] for row in written}
 
 
 def renew_leases(session: Session, owner: str, lease_until: float, ids: Collection[int]) -> int:

@@ -12,9 +12,8 @@ import logging
 from collections.abc import Collection, Iterable
 
 from offpeak.settings import Settings
-from offpeak.statuses import LineStatus
 from storage.errors import TRANSIENT_DB_ERRORS
-from storage.repositories.engine_chunks import BatchTokens
+from storage.repositories import engine_chunks
 from storage.repositories.requests import ClaimedRequest, FinishedLine
 from workers import worker_metrics
 from workers.scheduler.store import WorkStore, WriteBack, WriteBackReport
@@ -62,14 +61,7 @@ class ResultWriter:
         read the statuses of ``batch_ids``. Returns ``None`` when there was nothing to do or
         the database is unreachable (everything stays for the next try); raises what a wrong
         write raises (the caller hands the lines back)."""
-        per_batch: dict[str, BatchTokens] = {}
-        for line in self.pending:
-            if line.status == LineStatus.SUCCEEDED:
-                tokens = per_batch.setdefault(line.batch_id, BatchTokens())
-                tokens.requests += 1
-                tokens.prompt_tokens += line.tokens.prompt
-                tokens.cached_tokens += line.tokens.cached
-                tokens.completion_tokens += line.tokens.completion
+        per_batch = engine_chunks.tokens_by_batch(self.pending)
         write = WriteBack(
             owner=self.owner,
             model=self.model,

@@ -131,8 +131,11 @@ class DbStore:
 
     def write_back(self, write: WriteBack) -> WriteBackReport:
         with session_scope(self.url) as session:
-            requests_repo.write_results(session, write.owner, write.results)
-            if write.per_batch:
+            written = requests_repo.write_results(session, write.owner, write.results)
+            # The engine time goes to the lines actually written: a line another worker took
+            # over is billed (once) by that worker, not here too.
+            per_batch = engine_chunks.tokens_by_batch(r for r in write.results if r.id in written)
+            if per_batch:
                 engine_chunks.record(
                     session,
                     worker_id=write.owner,
@@ -141,7 +144,7 @@ class DbStore:
                     started_at=write.started_at,
                     ended_at=write.at,
                     busy_seconds=write.busy_seconds,
-                    per_batch=write.per_batch,
+                    per_batch=per_batch,
                 )
             if write.results:
                 batches_repo.refresh_counts(session, {r.batch_id for r in write.results})
