@@ -147,3 +147,30 @@ def tenant_client(settings: Settings) -> tuple[str, OpenAI]:
     return name, OpenAI(
         base_url="http://testserver/v1", api_key=key, http_client=client, max_retries=0
     )
+
+
+def check_billed_once(url: str, batch: Batch) -> None:
+    """Nothing of ``batch`` is billed twice: the engine-time shares recorded for it count each
+    answered line's tokens once (a line run twice, or a result recorded twice, would add more
+    than the batch's usage), and its bill, once written, bills exactly those lines."""
+    from storage.models import EngineChunkBatch, LedgerEntry
+
+    usage, counts = batch.usage, batch.request_counts
+    assert usage is not None and counts is not None
+    with session_scope(url) as session:
+        shares = session.execute(
+            select(
+                func.coalesce(func.sum(EngineChunkBatch.requests), 0),
+                func.coalesce(func.sum(EngineChunkBatch.prompt_tokens), 0),
+                func.coalesce(func.sum(EngineChunkBatch.completion_tokens), 0),
+            ).where(EngineChunkBatch.batch_id == batch.id)
+        ).one()
+        bills = session.scalars(select(LedgerEntry).where(LedgerEntry.batch_id == batch.id)).all()
+    assert tuple(shares) == (counts.completed, usage.input_tokens, usage.output_tokens)
+    assert len(bills) <= 1
+    for bill in bills:
+        assert (bill.requests, bill.input_tokens, bill.output_tokens) == (
+            counts.completed,
+            usage.input_tokens,
+            usage.output_tokens,
+        )

@@ -31,7 +31,7 @@ from offpeak.settings import Settings
 from storage.db import session_scope
 from storage.models import EngineChunk, RequestLine, WorkerRecord
 from tests.conftest import free_port, new_key, settings_from, wait_for_end
-from tests.helpers import check_ran_batch
+from tests.helpers import check_billed_once, check_ran_batch
 from tests.services import PostgresServer, RedisServer
 
 pytestmark = pytest.mark.engine
@@ -202,6 +202,7 @@ def test_engine_worker_killed_mid_chunk(
     assert batch.status == "completed"
     output, errors = check_ran_batch(client, batch, ids)
     assert len(output) == 32 and not errors
+    check_billed_once(crash_settings.resolved_database_url, batch)
     with session_scope(crash_settings.resolved_database_url) as session:
         attempts = session.scalars(
             select(RequestLine.attempts).where(RequestLine.batch_id == batch_id)
@@ -255,3 +256,4 @@ def test_batch_completes_across_a_restart(
     assert batch.status == "completed"
     output, errors = check_ran_batch(client, batch, ids)
     assert len(output) == 32 and not errors
+    check_billed_once(crash_settings.resolved_database_url, batch)

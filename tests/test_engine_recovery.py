@@ -13,8 +13,9 @@ import pytest
 from openai import OpenAI
 
 from offpeak.cli.supervisor import ServiceProcesses
+from offpeak.settings import Settings
 from tests.conftest import wait_for_end
-from tests.helpers import check_ran_batch
+from tests.helpers import check_billed_once, check_ran_batch
 from tests.test_e2e import chat_line, submit
 
 pytestmark = pytest.mark.engine
@@ -48,7 +49,7 @@ def test_a_200_line_seeded_batch_answers_every_line(
 
 
 def test_killing_the_engine_core_mid_batch_fails_no_line(
-    live_sdk: OpenAI, live: ServiceProcesses
+    live_sdk: OpenAI, live: ServiceProcesses, live_settings: Settings
 ) -> None:
     ids = [f"k{i}" for i in range(120)]
     lines = [chat_line(i, f"Write a sentence about the number {i}.", max_tokens=24) for i in ids]
@@ -64,4 +65,5 @@ def test_killing_the_engine_core_mid_batch_fails_no_line(
     assert batch.status == "completed"
     assert not errors, f"lines failed for the engine's death: {errors[:3]}"
     assert len(output) == 120
+    check_billed_once(live_settings.resolved_database_url, batch)
     assert engine_core(live).pid != core.pid, "a new engine was started"
