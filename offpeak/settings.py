@@ -247,6 +247,38 @@ class Settings(BaseSettings):
     #: Seconds a claim stays valid without a heartbeat; after it another worker may take over.
     lease_seconds: int = 120
     #: Engine (or worker) failures a line may be running in before it fails alone with code
+    #: Days a batch's output and error files are kept when the batch was created without
+    #: ``output_expires_after``; ``None``: until deleted (OpenAI's default).
+    output_file_expiry_days: int | None = None
+    #: Days after a batch ended before its request rows are deleted (the batch object, its
+    #: files and its bill stay); ``None``: never.
+    request_retention_days: float | None = 7.0
+    #: Seconds between retention sweeps (expired files, old request rows, idempotency keys and
+    #: webhook logs), run inside the control worker's periodic sweep.
+    retention_sweep_seconds: float = 300.0
+
+    # Idempotent creates (``Idempotency-Key``, IETF httpapi idempotency-key draft).
+    #: Hours a key and the response it answered are kept (the draft suggests 24 h).
+    idempotency_key_hours: float = 24.0
+    #: Seconds a key stays "in flight" (a retry gets 409) before a retry may take it over, in
+    #: case the process that reserved it died before answering.
+    idempotency_in_flight_seconds: float = 60.0
+
+    # Webhooks (``api/services/webhooks.py``, ``workers/webhooks.py``, Standard Webhooks).
+    #: Allow endpoint URLs whose host resolves to a private, loopback, link-local or otherwise
+    #: non-public address (tests, a receiver on the same private network). Off: refused.
+    webhook_allow_private_targets: bool = False
+    #: Allow ``http://`` endpoint URLs (tests); off: HTTPS only.
+    webhook_allow_http: bool = False
+    #: Seconds a delivery attempt may take (connect + answer).
+    webhook_timeout_seconds: float = 10.0
+    #: Hours after an event during which failed deliveries are retried (OpenAI: 72).
+    webhook_retry_hours: float = 72.0
+    #: Delay before the first retry; each later one doubles, up to ``webhook_retry_max_seconds``.
+    webhook_retry_base_seconds: float = 5.0
+    webhook_retry_max_seconds: float = 3600.0
+    #: Days the delivery log (events, deliveries, attempts) is kept.
+    webhook_log_days: float = 30.0
     #: ``engine_failure``. After its first, a line runs only while no other retried line does,
     #: so an innocent line is in at most one failure and a poison line is caught in this many.
     max_line_attempts: int = Field(default=3, ge=1)

@@ -135,6 +135,9 @@ class Batch(Base):
     #: The scheduler's estimate (unix seconds) of when the batch's last line will finish, refreshed
     #: by the workers and the sweep; the API shows it and the slack ``expires_at`` minus it.
     estimated_completion_at: Mapped[float | None] = mapped_column(Float)
+    #: ``output_expires_after[seconds]`` of the create: the output and error files expire this
+    #: long after they are written (``None``: ``Settings.output_file_expiry_days``).
+    output_expires_after: Mapped[int | None] = mapped_column(Integer)
 
     __table_args__ = (Index("ix_batches_tenant_id", "tenant_id", "id"),)
 
@@ -318,3 +321,110 @@ class QueuedMessage(Base):
     wait_seconds: Mapped[float] = mapped_column(Float)
     #: ``due_at + wait_seconds``.
     resend_at: Mapped[float] = mapped_column(Float)
+
+
+class WebhookEndpoint(Base):
+    """A tenant's webhook endpoint (OpenAI's ``webhook_endpoint``): where batch events go.
+
+    ``secret`` signs every delivery (it cannot be hashed: the server computes HMACs with it);
+    after a rotation that keeps the old one, ``previous_secret`` signs too until
+    ``previous_secret_until`` (unix seconds).
+    """
+
+    __tablename__ = "webhook_endpoints"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(200))
+    url: Mapped[str] = mapped_column(Text)
+    event_types: Mapped[list[str]] = mapped_column(JSONType)
+    secret: Mapped[str] = mapped_column(String(100))
+    previous_secret: Mapped[str | None] = mapped_column(String(100))
+    previous_secret_until: Mapped[int | None] = mapped_column(BigInteger)
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[int] = mapped_column(BigInteger)
+
+    __table_args__ = (Index("ix_webhook_endpoints_tenant_id", "tenant_id", "id"),)
+
+
+class WebhookEvent(Base):
+    """An event to send (the outbox): written in the transaction that sets a batch's final
+    status, with its body as the exact bytes every attempt sends.
+
+    ``dedupe_key`` (``<type>:<batch id>``) is unique, so one final status makes one event however
+    often finalize runs; a test event has none.
+    """
+
+    __tablename__ = "webhook_events"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    type: Mapped[str] = mapped_column(String(64))
+    object_id: Mapped[str] = mapped_column(String(64))
+    dedupe_key: Mapped[str | None] = mapped_column(String(200), unique=True)
+    body: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[int] = mapped_column(BigInteger, index=True)
+
+
+class WebhookDelivery(Base):
+    """One event owed to one endpoint: ``pending`` until a 2xx answer (``delivered``) or until
+    retries end after ``give_up_at`` (``failed``). ``next_attempt_at`` is also the lease of the
+    worker sending it: pushed ahead before the HTTP call, so a worker that dies mid-call leaves
+    the delivery due again (at least once)."""
+
+    __tablename__ = "webhook_deliveries"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    event_id: Mapped[str] = mapped_column(ForeignKey("webhook_events.id", ondelete="CASCADE"))
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"))
+    status: Mapped[str] = mapped_column(String(16))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float] = mapped_column(Float)
+    next_attempt_at: Mapped[float | None] = mapped_column(Float)
+    give_up_at: Mapped[float] = mapped_column(Float)
+    delivered_at: Mapped[float | None] = mapped_column(Float)
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+
+    __table_args__ = (
+        UniqueConstraint("event_id", "endpoint_id", name="uq_webhook_deliveries_event_endpoint"),
+        Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
+        Index("ix_webhook_deliveries_endpoint", "endpoint_id", "id"),
+    )
+
+
+class WebhookAttempt(Base):
+    """The delivery log: one row per HTTP attempt, with the receiver's status code (``None``:
+    no answer), the seconds it took and, on failure, why."""
+
+    __tablename__ = "webhook_attempts"
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
+    delivery_id: Mapped[str] = mapped_column(
+        ForeignKey("webhook_deliveries.id", ondelete="CASCADE"), index=True
+    )
+    attempt: Mapped[int] = mapped_column(Integer)
+    at: Mapped[float] = mapped_column(Float)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    latency_seconds: Mapped[float] = mapped_column(Float)
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class IdempotencyKey(Base):
+    """An ``Idempotency-Key`` a tenant sent (IETF httpapi idempotency-key draft): the request's
+    fingerprint (SHA-256 of method, path and body), ``in_flight`` while the first request runs
+    (until ``locked_until``), then ``done`` with the status code and body it answered, replayed
+    to every retry until ``expires_at``."""
+
+    __tablename__ = "idempotency_keys"
+
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(16))
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    response_body: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Float)
+    locked_until: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float, index=True)
