@@ -184,6 +184,13 @@ class SchedulerSettings(BaseModel):
     urgent_margin_seconds: float = 0.0
     #: Seconds between slack estimates (worker and sweep).
     estimate_seconds: float = 5.0
+    #: An in-process engine (``engine: vllm``) whose gate has been closed this long frees its
+    #: memory: vLLM's sleep mode (level 1) where the platform has it (CUDA), else the engine is
+    #: closed and loaded again; it comes back when it may run again (``workers.engine.release``,
+    #: ``docs/scheduling.md``). ``None`` or 0: never. 300 s: a reload costs 25-30 s on this CPU
+    #: (a few seconds from sleep on a GPU), under a tenth of the closed time it frees the memory
+    #: for, while a gate that flaps shut for a minute or two never pays for one.
+    release_after_seconds: float | None = Field(default=300.0, ge=0)
     #: Completion tokens assumed per request line before any line of the model has finished.
     expected_completion_tokens: int = 256
     #: Recent engine chunks whose tokens/s and tokens per line the slack uses (a worker's own

@@ -20,8 +20,8 @@ from storage.repositories import requests as requests_repo
 from workers import accounting
 from workers import worker_metrics as metrics
 from workers.celery_app import app
-from workers.engine import registry
-from workers.engine.base import EngineFault
+from workers.engine import registry, release
+from workers.engine.base import Engine, EngineFault
 from workers.finalize import finalize
 from workers.runner import Runner
 from workers.scheduler.slack import sweep_estimates
@@ -47,9 +47,16 @@ _runners: dict[str, Runner] = {}
 def runner_for(settings: Settings, model: str) -> Runner:
     """This process's runner for ``model``, built (and its engine loaded) on first use."""
     if model not in _runners:
-        engine = registry.load(settings, model)
+        engine = _load(settings, model)
         _runners[model] = Runner(settings, engine, worker_id(), device=registry.device_name())
     return _runners[model]
+
+
+def _load(settings: Settings, model: str) -> Engine:
+    """The registry's engine of ``model``, releasable while the gate is closed where its pool
+    says so (``workers.engine.release``)."""
+    engine = registry.load(settings, model)
+    return release.releasable(settings, engine, registry.load_seconds(model))
 
 
 #: Monotonic times of this process's recent engine failures, per model.
@@ -83,7 +90,7 @@ def recover_engine(settings: Settings, model: str, fault: EngineFault) -> None:
         )
         _exit_broken()
     try:
-        engine = registry.load(settings, model)
+        engine = _load(settings, model)
     except Exception:
         log.critical("%s: cannot load a new engine; exiting", model, exc_info=True)
         _exit_broken()
@@ -123,7 +130,10 @@ def drain_model(model: str, mark: str | None = None) -> None:
     for batch_id in stats.touched:
         task_messages.send_finalize(settings, batch_id)
     if stats.outcome == "yielded":
-        log.info("%s: batch work held back (%s)", model, _runners[model].gate.reason)
+        runner = _runners[model]
+        log.info("%s: batch work held back (%s)", model, runner.gate.reason)
+        # The gate may stay closed for long: free the engine's memory for real-time serving.
+        release.release_if_held_back(runner.engine, runner.gate, settings, time.time())
 
 
 @app.task(name=queues.FINALIZE_TASK)

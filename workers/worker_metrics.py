@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 
-from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -59,6 +59,17 @@ POISON_LINES = Counter(
     "offpeak_worker_poison_lines",
     "Lines failed alone after running in max_line_attempts engine failures.",
     ["model"],
+)
+ENGINE_RELEASED = Gauge(
+    "offpeak_worker_engine_released",
+    "1 while this worker's engine is released: memory freed while batch work is held back.",
+    ["model"],
+)
+ENGINE_RELOAD_SECONDS = Histogram(
+    "offpeak_worker_engine_reload_seconds",
+    "Seconds a released engine took to come back (how: sleep = vLLM wake_up, load = new engine).",
+    ["model", "how"],
+    buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
 )
 QUEUE_WAIT = Histogram(
     "offpeak_worker_request_queue_wait_seconds",

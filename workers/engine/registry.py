@@ -11,6 +11,8 @@ from workers.engine.base import Engine
 
 log = logging.getLogger(__name__)
 _engines: dict[str, Engine] = {}
+#: Seconds the last ``load`` of each model took: a reload's estimate (``workers.engine.release``).
+_load_seconds: dict[str, float] = {}
 
 
 def load(settings: Settings, name: str) -> Engine:
@@ -32,10 +34,18 @@ def load(settings: Settings, name: str) -> Engine:
         from workers.model_store import ensure_model
 
         path = ensure_model(name, config, settings.model_cache_dir)
-        engine = VllmEngine.load(name, config, path)
-    log.info("engine for %s ready in %.1f s", name, time.perf_counter() - started)
+        # Sleep mode only where the engine may be released (it changes vLLM's allocator).
+        release = bool(settings.scheduler.release_after_seconds)
+        engine = VllmEngine.load(name, config, path, sleep_mode=release)
+    _load_seconds[name] = time.perf_counter() - started
+    log.info("engine for %s ready in %.1f s", name, _load_seconds[name])
     _engines[name] = engine
     return engine
+
+
+def load_seconds(name: str) -> float:
+    """Seconds the last engine load of ``name`` took in this process; 0 before any."""
+    return _load_seconds.get(name, 0.0)
 
 
 @lru_cache(maxsize=1)

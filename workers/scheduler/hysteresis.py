@@ -39,6 +39,8 @@ class Gate:
         #: Times the gate opened or closed.
         self.changes = 0
         self.last: LoadReading | None = None
+        #: ``at`` of the reading that closed the gate (unix seconds); ``None`` while it is open.
+        self.closed_since: float | None = None
 
     @property
     def hard_paused(self) -> bool:
@@ -78,4 +80,12 @@ class Gate:
             self.changes += 1
             log.info("batch work %s: %s", "resumes" if is_open else "yields", self.reason)
         self.open = is_open
+        if is_open:
+            self.closed_since = None
+        elif self.closed_since is None:
+            self.closed_since = reading.at
         return is_open
+
+    def closed_for(self, at: float) -> float:
+        """Seconds the gate has been closed at ``at`` (unix seconds); 0 while it is open."""
+        return 0.0 if self.closed_since is None else max(0.0, at - self.closed_since)

@@ -13,6 +13,9 @@ slack falls below its margin is urgent: it runs even while real-time load is hig
   (one token per running sequence per step, decayed over about five minutes of stepping) when
   it has one, else completion tokens per busy second of the model's engine chunks, else the
   calibrated (or the seed's) step model at the engine's batch size; times the live workers.
+- Startup: an engine released while the gate was closed (``workers.engine.release``) needs its
+  reload seconds before its first token; they are added to every batch's completion time, so a
+  batch turns urgent early enough to pay for the reload.
 """
 
 from __future__ import annotations
@@ -112,11 +115,13 @@ def estimate(
     throughput: float,
     model_tokens_per_line: float,
     settings: SchedulerSettings,
+    startup_seconds: float = 0.0,
 ) -> list[Estimate]:
     """Estimates for ``backlog`` (any order; computed earliest deadline first).
 
     ``throughput`` is completion tokens per second (``tokens_per_second``); raises
-    ``ValueError`` when it is not positive.
+    ``ValueError`` when it is not positive. ``startup_seconds`` pass before the first token
+    (a released engine's reload).
     """
     if throughput <= 0:
         raise ValueError("throughput must be positive tokens/s")
@@ -135,7 +140,7 @@ def estimate(
                 expires_at=float(batch.expires_at),
                 remaining_lines=batch.remaining,
                 remaining_tokens=tokens,
-                estimated_completion_at=at + ahead / throughput,
+                estimated_completion_at=at + startup_seconds + ahead / throughput,
                 margin_seconds=margins[batch.completion_window],
             )
         )
@@ -150,10 +155,12 @@ def refresh_estimates(
     step_model: StepModel,
     slots: int,
     local_rate: float | None = None,
+    startup_seconds: float = 0.0,
 ) -> list[Estimate]:
     """Estimate every running batch of ``model`` at ``at`` and store the estimated completion
     times (the API shows them). Used by the runner (with its own measured ``local_rate``,
-    tokens/s) and by the control worker's sweep."""
+    tokens/s, and ``startup_seconds`` while its engine is released) and by the control
+    worker's sweep."""
     policy = settings.scheduler
     backlog = store.backlog(model)
     if not backlog:
@@ -164,7 +171,7 @@ def refresh_estimates(
     )
     throughput = tokens_per_second(history, step_model, slots, workers, local_rate)
     per_line = tokens_per_line(history, policy.expected_completion_tokens)
-    estimates = estimate(backlog, at, throughput, per_line, policy)
+    estimates = estimate(backlog, at, throughput, per_line, policy, startup_seconds)
     store.save_estimates({e.batch_id: e.estimated_completion_at for e in estimates})
     return estimates
 
