@@ -7,6 +7,7 @@ and that another worker may take over once it has run out.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -137,30 +138,29 @@ def claim(
     rows, and running rows whose lease ran out before ``at`` (their worker died). Rows of batches
     not ``in_progress``, or whose window ended at ``at``, are left alone (the sweep expires them).
     ``batch_ids``: only rows of these batches (the urgent ones while load is high). Skips rows
-    another transaction holds."""
-    runnable = or_(
-        RequestLine.status == LineStatus.PENDING,
-        (RequestLine.status == LineStatus.RUNNING) & (RequestLine.lease_expires_at < at),
-    )
-    picked = (
-        select(RequestLine.id)
-        .where(
-            RequestLine.model == model,
-            runnable,
-            RequestLine.deadline > at,
-            RequestLine.batch_id.in_(
-                select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS)
-            ),
-        )
-        .order_by(RequestLine.deadline, RequestLine.id)
-        .limit(limit)
-    )
+    another transaction holds.
+
+    Two range scans of ``ix_requests_claim`` (model, status, deadline, id) instead of one
+    ``status = pending OR (status = running AND lease_expires_at < at)``, which cannot walk that
+    index in deadline order; and an integer bound on the bigint ``deadline`` (a float one made
+    PostgreSQL cast every row's deadline). The running batches are read first and passed as a
+    list: joined as a subquery, the planner sorted every pending row of the model instead of
+    walking the index (EXPLAIN on 30,000 pending rows: 19 ms vs 0.5 ms per claim). Issue 14
+    measured the old query at 35% of an engine worker's time. Rows with a lapsed lease come
+    first (few running rows to scan: what workers hold), then pending rows in deadline order."""
+    running = set(session.scalars(select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS)))
     if batch_ids is not None:
-        if not batch_ids:
-            return []
-        picked = picked.where(RequestLine.batch_id.in_(list(batch_ids)))
-    picked = picked.with_for_update(skip_locked=True, of=RequestLine)
-    ids = list(session.scalars(picked))
+        running &= set(batch_ids)
+    if not running:
+        return []
+    batch_ids = sorted(running)
+    # deadline is whole seconds: deadline > at  <=>  deadline > floor(at), an integer bound.
+    after = math.floor(at)
+    # Lapsed rows first: they already waited out a lease, and there are few running rows to
+    # look through (what the workers hold).
+    ids = _runnable_ids(session, model, LineStatus.RUNNING, after, limit, batch_ids, at)
+    if len(ids) < limit:
+        ids += _runnable_ids(session, model, LineStatus.PENDING, after, limit - len(ids), batch_ids)
     if not ids:
         return []
     rows = session.execute(
@@ -183,6 +183,34 @@ def claim(
     claimed = [ClaimedRequest(*row) for row in rows]
     claimed.sort(key=lambda r: r.id)
     return claimed
+
+
+def _runnable_ids(
+    session: Session,
+    model: str,
+    status: str,
+    after: int,
+    limit: int,
+    batch_ids: list[str],
+    lapsed_before: float | None = None,
+) -> list[int]:
+    """Ids of up to ``limit`` rows of ``model`` in ``status`` with ``deadline > after`` in the
+    batches ``batch_ids``, in deadline order, locked (skipping rows another transaction holds);
+    with ``lapsed_before`` only rows whose lease ran out before it."""
+    picked = (
+        select(RequestLine.id)
+        .where(
+            RequestLine.model == model,
+            RequestLine.status == status,
+            RequestLine.deadline > after,
+            RequestLine.batch_id.in_(batch_ids),
+        )
+        .order_by(RequestLine.deadline, RequestLine.id)
+        .limit(limit)
+    )
+    if lapsed_before is not None:
+        picked = picked.where(RequestLine.lease_expires_at < lapsed_before)
+    return list(session.scalars(picked.with_for_update(skip_locked=True, of=RequestLine)))
 
 
 def has_pending(session: Session, model: str) -> bool:

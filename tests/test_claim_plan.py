@@ -1,0 +1,187 @@
+"""The claim walks its index (issue 14, part 2).
+
+``requests.claim`` is the hottest query of an engine worker. Its statements are captured as they
+run and replayed under ``EXPLAIN`` on a table of 30,000 pending rows: each must be an index scan
+of ``ix_requests_claim`` with no sort (a sort means every pending row of the model was read and
+ordered to return a few hundred). The claim's answers are checked too: lapsed leases first, then
+pending rows in deadline order, rows of batches that are not running left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import event, text, update
+
+from offpeak.statuses import BatchStatus, LineStatus
+from storage.db import get_engine, session_scope
+from storage.models import RequestLine
+from storage.repositories import requests as requests_repo
+from tests.conftest import fresh_database
+
+PENDING = 30_000
+
+
+def _batch(session: Any, batch_id: str, status: str) -> None:
+    session.execute(
+        text(
+            "INSERT INTO batches (id, tenant_id, endpoint, input_file_id, completion_window, "
+            "status, created_at, expires_at, total, completed, failed, input_tokens, "
+            "cached_tokens, output_tokens) VALUES (:id, 'plan', '/v1/chat/completions', "
+            "'file-plan', '24h', :status, 0, 0, 0, 0, 0, 0, 0, 0)"
+        ),
+        {"id": batch_id, "status": status},
+    )
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    with fresh_database(f"offpeak_claimplan_{int(time.time())}") as url:
+        now = int(time.time())
+        with session_scope(url) as session:
+            # Rows only: the tenants and files these batches would name do not matter here.
+            session.execute(text("SET session_replication_role = replica"))
+            _batch(session, "batch_run", BatchStatus.IN_PROGRESS)
+            _batch(session, "batch_gone", BatchStatus.CANCELLING)
+            rows = [
+                {
+                    "batch_id": "batch_run",
+                    "line": i,
+                    "custom_id": f"r{i}",
+                    "model": "m",
+                    # Later lines are due sooner: deadline order is not id order.
+                    "deadline": now + 86_400 - i // 1000,
+                    "line_json": "{}",
+                    "status": LineStatus.PENDING,
+                    "attempts": 0,
+                    "prompt_tokens": 0,
+                    "cached_tokens": 0,
+                    "completion_tokens": 0,
+                }
+                for i in range(PENDING)
+            ]
+            rows += [
+                r | {"batch_id": "batch_gone", "line": r["line"], "deadline": now + 10}
+                for r in rows[:100]
+            ]
+            session.execute(RequestLine.__table__.insert(), rows)
+            session.execute(text("ANALYZE requests"))
+            session.execute(text("ANALYZE batches"))
+        yield url
+
+
+def _captured_claim(url: str, **kwargs: Any) -> tuple[list[Any], list[tuple[str, Any]]]:
+    statements: list[tuple[str, Any]] = []
+    engine = get_engine(url)
+
+    def capture(_conn: Any, _cursor: Any, statement: str, params: Any, *_: Any) -> None:
+        if "FOR UPDATE" in statement:
+            statements.append((statement, params))
+
+    event.listen(engine, "before_cursor_execute", capture)
+    try:
+        with session_scope(url) as session:
+            now = time.time()
+            claimed = requests_repo.claim(
+                session, model="m", owner="w1", lease_until=now + 120, at=now, **kwargs
+            )
+            session.rollback()  # leave the rows pending for the next test
+    finally:
+        event.remove(engine, "before_cursor_execute", capture)
+    return claimed, statements
+
+
+def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from _plan_nodes(child)
+
+
+def test_each_claim_statement_is_an_ordered_index_scan(url: str) -> None:
+    claimed, statements = _captured_claim(url, limit=320)
+    assert len(claimed) == 320
+    assert statements, "the claim ran no locking SELECT"
+    raw = get_engine(url).raw_connection()
+    try:
+        cursor = raw.cursor()
+        for statement, params in statements:
+            cursor.execute("EXPLAIN (FORMAT JSON) " + statement, params)
+            (plan,) = cursor.fetchone()
+            plan = plan if isinstance(plan, list) else json.loads(plan)
+            nodes = list(_plan_nodes(plan[0]["Plan"]))
+            kinds = [n["Node Type"] for n in nodes]
+            assert "Sort" not in kinds, f"the claim sorts rows: {kinds}\n{statement}"
+            assert "Seq Scan" not in kinds or all(
+                n.get("Relation Name") != "requests" for n in nodes if n["Node Type"] == "Seq Scan"
+            ), f"the claim reads the requests table whole: {kinds}"
+            assert any(n.get("Index Name") == "ix_requests_claim" for n in nodes), kinds
+    finally:
+        raw.close()
+
+
+def test_claims_earliest_deadline_first_and_only_running_batches(url: str) -> None:
+    claimed, _ = _captured_claim(url, limit=1500)
+    with session_scope(url) as session:
+        deadlines = dict(
+            session.execute(
+                text("SELECT id, deadline FROM requests WHERE id = ANY(:ids)"),
+                {"ids": [c.id for c in claimed]},
+            ).all()
+        )
+    assert {c.batch_id for c in claimed} == {"batch_run"}  # the cancelling batch's rows wait
+    picked = [deadlines[c.id] for c in claimed]
+    latest_picked = max(picked)
+    with session_scope(url) as session:
+        earlier_left = session.scalar(
+            text(
+                "SELECT count(*) FROM requests WHERE batch_id = 'batch_run' AND deadline < :d "
+                "AND NOT (id = ANY(:ids))"
+            ),
+            {"d": latest_picked, "ids": [c.id for c in claimed]},
+        )
+    assert earlier_left == 0, "a row due sooner was left for one due later"
+
+
+def test_lapsed_leases_come_back_first(url: str) -> None:
+    with session_scope(url) as session:
+        lapsed = [
+            row_id
+            for (row_id,) in session.execute(
+                text("SELECT id FROM requests WHERE batch_id = 'batch_run' ORDER BY id LIMIT 3")
+            )
+        ]
+        held = session.scalar(
+            text(
+                "SELECT id FROM requests WHERE batch_id = 'batch_run' ORDER BY id OFFSET 3 LIMIT 1"
+            )
+        )
+        session.execute(
+            update(RequestLine)
+            .where(RequestLine.id.in_(lapsed))
+            .values(status=LineStatus.RUNNING, lease_owner="dead", lease_expires_at=time.time() - 1)
+        )
+        session.execute(
+            update(RequestLine)
+            .where(RequestLine.id == held)
+            .values(
+                status=LineStatus.RUNNING, lease_owner="alive", lease_expires_at=time.time() + 600
+            )
+        )
+    try:
+        claimed, _ = _captured_claim(url, limit=10)
+        ids = [c.id for c in claimed]
+        assert set(lapsed) <= set(ids), "a row whose worker died was not taken over"
+        assert held not in ids, "a row another worker still holds was taken"
+        urgent_only, _ = _captured_claim(url, limit=10, batch_ids={"batch_gone"})
+        assert urgent_only == []  # not running: nothing to claim, whatever the filter says
+    finally:
+        with session_scope(url) as session:
+            session.execute(
+                update(RequestLine)
+                .where(RequestLine.id.in_([*lapsed, held]))
+                .values(status=LineStatus.PENDING, lease_owner=None, lease_expires_at=None)
+            )
