@@ -9,6 +9,9 @@ Keys:
 - ``load:<pool>``: the pool's last load reading (``workers.scheduler.signals.LoadReading``),
   ``{"load": float | None, "parts", "errors", "paused", "hard", "reason", "gate_open",
   "worker", ...}``.
+- ``replicas:<model>``: the engines the model's running batches need to finish before their
+  deadlines (``workers.scheduler.slack.replicas_needed``, stored by the control worker's sweep),
+  ``{"replicas": int, "remaining_tokens", "engine_tokens_per_second", "workers", "at"}``.
 
 Values are read leniently (``paused_of``, ``load_of``): a bare boolean or number, or an object
 with the field (or a ``value`` member), so a hand-written row does not break a scrape.
@@ -26,6 +29,7 @@ ALL_POOLS = "*"
 PAUSE_ALL_KEY = "paused"
 PAUSE_PREFIX = "paused:"
 LOAD_PREFIX = "load:"
+REPLICAS_PREFIX = "replicas:"
 
 
 def pause_key(pool: str | None) -> str:
@@ -36,6 +40,11 @@ def pause_key(pool: str | None) -> str:
 def load_key(pool: str) -> str:
     """The key of ``pool``'s last load reading."""
     return f"{LOAD_PREFIX}{pool}"
+
+
+def replicas_key(model: str) -> str:
+    """The key of the replicas ``model``'s backlog needs."""
+    return f"{REPLICAS_PREFIX}{model}"
 
 
 @dataclass(frozen=True)
@@ -150,4 +159,17 @@ def loads(states: Mapping[str, Any]) -> dict[str, float | None]:
         parsed = parse_key(key)
         if parsed is not None and parsed.kind == "load":
             out[parsed.pool] = load_of(value)
+    return out
+
+
+def replicas(states: Mapping[str, Any]) -> dict[str, int]:
+    """``model → replicas needed`` of the ``replicas:<model>`` entries in ``key → value`` states
+    (a value without a whole number is left out)."""
+    out = {}
+    for key, value in states.items():
+        if not key.startswith(REPLICAS_PREFIX):
+            continue
+        count = value.get("replicas", value.get("value")) if isinstance(value, dict) else value
+        if isinstance(count, int | float) and not isinstance(count, bool):
+            out[key.removeprefix(REPLICAS_PREFIX)] = int(count)
     return out

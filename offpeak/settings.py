@@ -191,6 +191,9 @@ class SchedulerSettings(BaseModel):
     #: (a few seconds from sleep on a GPU), under a tenth of the closed time it frees the memory
     #: for, while a gate that flaps shut for a minute or two never pays for one.
     release_after_seconds: float | None = Field(default=300.0, ge=0)
+    #: Seconds a new engine replica needs before its first token (pod start and model load:
+    #: 25-30 s of engine load on this CPU), for ``offpeak_replicas_needed``.
+    replica_startup_seconds: float = Field(default=60.0, ge=0)
     #: Completion tokens assumed per request line before any line of the model has finished.
     expected_completion_tokens: int = 256
     #: Recent engine chunks whose tokens/s and tokens per line the slack uses (a worker's own

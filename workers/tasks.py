@@ -168,6 +168,7 @@ def sweep() -> None:
         if model in settings.models:
             task_messages.send_drain(settings, model)
     # Estimates move on while no engine worker runs the model (load high, workers down).
-    sweep_estimates(settings, [m for m in models if m in settings.models], time.time())
+    # Every configured model: one with nothing left gets its replicas needed back to 0.
+    sweep_estimates(settings, list(settings.models), time.time())
     accounting.bill_unbilled(settings)  # ended batches whose billing step failed or never ran
     metrics.sample_load(settings)

@@ -21,6 +21,10 @@ Series (``offpeak_`` prefix; ``model`` is the served model name):
 - ``load{source}`` and ``batch_work_paused{pool}``: the scheduler's load signal per pool and its
   admin pause switch (pool ``*``: every pool), from ``scheduler_state`` keys ``load:<pool>``,
   ``paused`` and ``paused:<pool>`` (no ``load`` series until the scheduler writes a reading).
+- ``replicas_needed{model}``: engines needed to finish every running batch of the model before
+  its deadline (minus its margin) at the measured tokens/s of one engine, the autoscaling hint
+  for KEDA or an HPA (``docs/scheduling.md``); the control worker's sweep stores it every
+  ``sweep_seconds`` (``workers.scheduler.slack.replicas_needed``), 0 once nothing is left.
 """
 
 from __future__ import annotations
@@ -216,6 +220,14 @@ def _scheduler(session: Session) -> Iterator[Metric]:
     for pool, on in sorted(scheduler_state.pauses(state).items()):
         paused.add_metric([pool], float(on))
     yield paused
+    replicas = GaugeMetricFamily(
+        "offpeak_replicas_needed",
+        "Engines needed to finish every running batch before its deadline at measured tokens/s.",
+        labels=["model"],
+    )
+    for model, count in sorted(scheduler_state.replicas(state).items()):
+        replicas.add_metric([model], float(count))
+    yield replicas
 
 
 def collect(session: Session, settings: Settings, at: float | None = None) -> Iterator[Metric]:

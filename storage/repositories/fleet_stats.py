@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import Float, cast, delete, func, insert, or_, select
 from sqlalchemy.orm import Session
 
-from offpeak.scheduler_state import LOAD_PREFIX, PAUSE_ALL_KEY, PAUSE_PREFIX
+from offpeak.scheduler_state import LOAD_PREFIX, PAUSE_ALL_KEY, PAUSE_PREFIX, REPLICAS_PREFIX
 from offpeak.statuses import LineStatus
 from storage.models import Batch, EngineChunk, LoadSample, RequestLine, SchedulerState
 
@@ -128,7 +128,8 @@ def throughput_series(
 
 
 def scheduler_state(session: Session) -> dict[str, Any]:
-    """The ``paused``, ``paused:<pool>`` and ``load:<pool>`` entries of ``scheduler_state``:
+    """The ``paused``, ``paused:<pool>``, ``load:<pool>`` and ``replicas:<model>`` entries of
+    ``scheduler_state``:
     key → value (read them with ``offpeak.scheduler_state``)."""
     rows = session.execute(
         select(SchedulerState.key, SchedulerState.value).where(
@@ -136,6 +137,7 @@ def scheduler_state(session: Session) -> dict[str, Any]:
                 SchedulerState.key == PAUSE_ALL_KEY,
                 SchedulerState.key.startswith(PAUSE_PREFIX),
                 SchedulerState.key.startswith(LOAD_PREFIX),
+                SchedulerState.key.startswith(REPLICAS_PREFIX),
             )
         )
     )

@@ -16,13 +16,18 @@ slack falls below its margin is urgent: it runs even while real-time load is hig
 - Startup: an engine released while the gate was closed (``workers.engine.release``) needs its
   reload seconds before its first token; they are added to every batch's completion time, so a
   batch turns urgent early enough to pay for the reload.
+- Replicas (the autoscaling hint, ``offpeak_replicas_needed{model}``): the engines that finish
+  every batch, at one engine's throughput, before its deadline minus its margin (so none turns
+  urgent), from the same earliest-deadline-first sums (``replicas_needed``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from offpeak.settings import SchedulerSettings, Settings, window_seconds
 from storage.repositories.scheduler import BatchBacklog, EngineHistory
@@ -109,6 +114,37 @@ def batch_tokens_per_line(batch: BatchBacklog, model_tokens_per_line: float) -> 
     return done * own + (1 - done) * model_tokens_per_line
 
 
+@dataclass(frozen=True)
+class Queued:
+    """A batch in earliest-deadline-first order: its remaining tokens, and the tokens and lines
+    left in it and in every batch due no later (what an engine runs before it is done)."""
+
+    batch: BatchBacklog
+    tokens: float
+    tokens_through: float
+    lines_through: int
+    margin_seconds: float
+
+
+def earliest_deadline_first(
+    backlog: Sequence[BatchBacklog], model_tokens_per_line: float, settings: SchedulerSettings
+) -> list[Queued]:
+    """``backlog`` (any order) as the runner serves it, earliest deadline first."""
+    queued = []
+    tokens_through, lines_through = 0.0, 0
+    margins: dict[str, float] = {}
+    for batch in sorted(backlog, key=lambda b: (b.expires_at, b.batch_id)):
+        if batch.completion_window not in margins:
+            margins[batch.completion_window] = margin_seconds(batch.completion_window, settings)
+        tokens = batch.remaining * batch_tokens_per_line(batch, model_tokens_per_line)
+        tokens_through += tokens
+        lines_through += batch.remaining
+        queued.append(
+            Queued(batch, tokens, tokens_through, lines_through, margins[batch.completion_window])
+        )
+    return queued
+
+
 def estimate(
     backlog: Sequence[BatchBacklog],
     at: float,
@@ -125,26 +161,73 @@ def estimate(
     """
     if throughput <= 0:
         raise ValueError("throughput must be positive tokens/s")
-    ahead = 0.0
-    estimates = []
-    margins: dict[str, float] = {}
-    for batch in sorted(backlog, key=lambda b: (b.expires_at, b.batch_id)):
-        if batch.completion_window not in margins:
-            margins[batch.completion_window] = margin_seconds(batch.completion_window, settings)
-        tokens = batch.remaining * batch_tokens_per_line(batch, model_tokens_per_line)
-        ahead += tokens
-        estimates.append(
-            Estimate(
-                batch_id=batch.batch_id,
-                at=at,
-                expires_at=float(batch.expires_at),
-                remaining_lines=batch.remaining,
-                remaining_tokens=tokens,
-                estimated_completion_at=at + startup_seconds + ahead / throughput,
-                margin_seconds=margins[batch.completion_window],
-            )
+    return [
+        Estimate(
+            batch_id=q.batch.batch_id,
+            at=at,
+            expires_at=float(q.batch.expires_at),
+            remaining_lines=q.batch.remaining,
+            remaining_tokens=q.tokens,
+            estimated_completion_at=at + startup_seconds + q.tokens_through / throughput,
+            margin_seconds=q.margin_seconds,
         )
-    return estimates
+        for q in earliest_deadline_first(backlog, model_tokens_per_line, settings)
+    ]
+
+
+def replicas_needed(
+    backlog: Sequence[BatchBacklog],
+    at: float,
+    engine_throughput: float,
+    model_tokens_per_line: float,
+    settings: SchedulerSettings,
+    slots: int,
+    startup_seconds: float = 0.0,
+) -> int:
+    """Engines needed so every batch of ``backlog`` finishes by ``expires_at - margin``.
+
+    With ``N`` engines of ``engine_throughput`` completion tokens/s each, the batch due ``i``-th
+    is done ``startup_seconds + T_i / (N × engine_throughput)`` from ``at``, ``T_i`` being the
+    tokens left in it and every batch due before it; so ``N = max_i ceil(T_i /
+    (engine_throughput × (expires_at_i - margin_i - at - startup_seconds)))``. More engines than
+    ``ceil(L_i / slots)`` (``L_i`` lines left through batch ``i``; an engine runs ``slots``
+    sequences at once) cannot help, so that caps each term, and is the answer for a batch with
+    no time left. 0 when nothing is left; raises ``ValueError`` for a throughput that is not
+    positive.
+    """
+    if engine_throughput <= 0:
+        raise ValueError("throughput must be positive tokens/s")
+    needed = 0
+    for q in earliest_deadline_first(backlog, model_tokens_per_line, settings):
+        if q.lines_through <= 0:
+            continue
+        most = math.ceil(q.lines_through / max(1, slots))
+        left = q.batch.expires_at - q.margin_seconds - at - startup_seconds
+        wanted = most if left <= 0 else math.ceil(q.tokens_through / (engine_throughput * left))
+        needed = max(needed, min(most, max(1, wanted)))
+    return needed
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A model's estimates and the replicas its backlog needs (``refresh_plan``)."""
+
+    estimates: list[Estimate]
+    replicas: int = 0
+    remaining_tokens: float = 0.0
+    #: One engine's completion tokens/s, and the live engine workers of the model.
+    engine_tokens_per_second: float = 0.0
+    workers: int = 0
+
+    def replicas_json(self, at: float) -> dict[str, Any]:
+        """The ``replicas:<model>`` value (``offpeak.scheduler_state``)."""
+        return {
+            "replicas": self.replicas,
+            "remaining_tokens": round(self.remaining_tokens, 1),
+            "engine_tokens_per_second": round(self.engine_tokens_per_second, 3),
+            "workers": self.workers,
+            "at": at,
+        }
 
 
 def refresh_estimates(
@@ -161,34 +244,59 @@ def refresh_estimates(
     times (the API shows them). Used by the runner (with its own measured ``local_rate``,
     tokens/s, and ``startup_seconds`` while its engine is released) and by the control
     worker's sweep."""
+    return refresh_plan(
+        store, settings, model, at, step_model, slots, local_rate, startup_seconds
+    ).estimates
+
+
+def refresh_plan(
+    store: WorkStore,
+    settings: Settings,
+    model: str,
+    at: float,
+    step_model: StepModel,
+    slots: int,
+    local_rate: float | None = None,
+    startup_seconds: float = 0.0,
+) -> Plan:
+    """``refresh_estimates``, plus the replicas the backlog needs (``replicas_needed``, a new
+    replica taking ``scheduler.replica_startup_seconds`` to start)."""
     policy = settings.scheduler
     backlog = store.backlog(model)
     if not backlog:
-        return []
+        return Plan([])
     history = store.engine_history(model, at - policy.throughput_window_seconds)
     workers = store.live_workers(
         model, at - max(3 * settings.flush_seconds, settings.lease_seconds)
     )
+    per_engine = tokens_per_second(history, step_model, slots, 1, local_rate)
     throughput = tokens_per_second(history, step_model, slots, workers, local_rate)
     per_line = tokens_per_line(history, policy.expected_completion_tokens)
     estimates = estimate(backlog, at, throughput, per_line, policy, startup_seconds)
     store.save_estimates({e.batch_id: e.estimated_completion_at for e in estimates})
-    return estimates
+    replicas = replicas_needed(
+        backlog, at, per_engine, per_line, policy, slots, policy.replica_startup_seconds
+    )
+    return Plan(
+        estimates, replicas, sum(e.remaining_tokens for e in estimates), per_engine, workers
+    )
 
 
 def sweep_estimates(settings: Settings, models: Iterable[str], at: float) -> None:
     """Refresh the estimates of every running batch of ``models`` (the control worker's sweep,
-    so slack keeps moving while no engine worker runs a model). Never raises: a failure is
-    logged and the next sweep tries again."""
+    so slack keeps moving while no engine worker runs a model), and store each model's replicas
+    needed (``replicas:<model>``, read by the API's ``/metrics``; 0 for a model with nothing
+    left). Never raises: a failure is logged and the next sweep tries again."""
     store = DbStore(settings.resolved_database_url)
     for model in models:
         try:
             since = at - settings.scheduler.throughput_window_seconds
             device = store.engine_history(model, since).device or "cpu"
             slots = settings.models[model].max_num_seqs if model in settings.models else 256
-            refresh_estimates(
+            plan = refresh_plan(
                 store, settings, model, at, calibrated(settings, model, device), slots
             )
+            store.publish_replicas(model, plan.replicas_json(at), at)
         except Exception:
             log.exception("cannot refresh the estimates of %s", model)
 

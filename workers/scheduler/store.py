@@ -209,3 +209,8 @@ class DbStore:
     def publish_load(self, pool: str, reading: dict[str, Any], at: float) -> None:
         with session_scope(self.url) as session:
             scheduler_repo.put_state(session, scheduler_state.load_key(pool), reading, at)
+
+    def publish_replicas(self, model: str, value: dict[str, Any], at: float) -> None:
+        """The engines ``model``'s backlog needs (``workers.scheduler.slack.Plan``)."""
+        with session_scope(self.url) as session:
+            scheduler_repo.put_state(session, scheduler_state.replicas_key(model), value, at)
