@@ -40,7 +40,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
 def test_the_registry_names_each_endpoint_by_its_url() -> None:
-    assert endpoints.BATCH_ENDPOINTS == (CHAT, COMPLETIONS)
+    assert endpoints.BATCH_ENDPOINTS[:3] == (CHAT, COMPLETIONS, "/v1/responses")
     assert not set(endpoints.BATCH_ENDPOINTS) & set(endpoints.UNSERVED_BATCH_ENDPOINTS)
     for url, endpoint in endpoints.ENDPOINTS.items():
         assert endpoint.url == url and endpoints.get(url) is endpoint

@@ -53,7 +53,8 @@ BAD_CHAT = [
     chat(seed="x"),
     chat(seed=2.5),
     chat(tools=[{"type": "function"}]),
-    chat(response_format={"type": "json_object"}),
+    chat(response_format={"type": "xml"}),
+    chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": 5}}),
     chat(best_of=3),
     chat(max_tokens=600),
     chat(messages=[{"role": "user", "content": "word " * 600}]),
@@ -295,11 +296,11 @@ EXACT = [
     ),
     (
         CHAT,
-        chat(response_format={"type": "json_object"}),
+        chat(response_format={"type": "xml"}),
         (
-            "Only response_format {'type': 'text'} is supported.",
-            "response_format",
-            "unsupported_value",
+            "Invalid 'response_format': 'type' must be one of text, json_object, json_schema.",
+            "response_format.type",
+            "invalid_value",
         ),
     ),
     (

@@ -32,6 +32,8 @@ class Prepared:
     #: ``(prompt tokens, most new tokens)`` of each sequence the line puts in the engine
     #: (``Endpoint.engine_needs``), which slot sizing adds up.
     needs: tuple[tuple[int, int], ...]
+    #: Request fields the output body repeats (``EngineInput.echo``), or ``None``.
+    echo: dict[str, Any] | None = None
 
 
 def prepare(
@@ -45,7 +47,9 @@ def prepare(
     request = EngineRequest(
         request_id, engine_input.prompt_token_ids, engine_input.sampling, priority
     )
-    return Prepared(request, endpoint, body["model"], served.engine_needs(engine_input))
+    return Prepared(
+        request, endpoint, body["model"], served.engine_needs(engine_input), engine_input.echo
+    )
 
 
 def answer(prepared: Prepared, result: EngineResult, created: int) -> Answer:
@@ -61,6 +65,7 @@ def answer(prepared: Prepared, result: EngineResult, created: int) -> Answer:
         prompt_tokens=result.prompt_tokens,
         cached_tokens=result.cached_tokens,
         completions=[_completion(c) for c in result.completions],
+        echo=prepared.echo,
     )
 
 

@@ -1,8 +1,8 @@
 """The batch endpoints, one module each, and the registry everything asks (``ENDPOINTS``).
 
-Each module (``chat_completions``, ``completions``) holds its endpoint's request body as a pydantic
-model, how a parsed body becomes engine input, and how a finished line's record becomes its output
-body. Adding an endpoint is one new module and one entry in ``ENDPOINTS``.
+Each module (``chat_completions``, ``completions``, ``responses`` …) holds its endpoint's request
+body as a pydantic model, how a parsed body becomes engine input, and how a finished line's
+record becomes its output body. Adding an endpoint is one new module and one entry in ``ENDPOINTS``.
 
 Who asks: the API's batch create (which endpoints a batch may target), the file validation
 (which body fields a line must carry), the runner (``workers.serving``: a line's body to an engine
@@ -27,6 +27,7 @@ from offpeak.endpoints.base import Endpoint, EngineInput, SamplingSpec, Tokenize
 from offpeak.endpoints.chat_completions import ChatCompletions
 from offpeak.endpoints.completions import Completions
 from offpeak.endpoints.errors import LineError
+from offpeak.endpoints.responses import Responses
 
 __all__ = [
     "BATCH_ENDPOINTS",
@@ -43,12 +44,12 @@ __all__ = [
 
 #: Batch endpoints served here, by url.
 ENDPOINTS: dict[str, Endpoint[Any]] = {
-    endpoint.url: endpoint for endpoint in (ChatCompletions(), Completions())
+    endpoint.url: endpoint for endpoint in (ChatCompletions(), Completions(), Responses())
 }
 #: Their urls, in the order error messages list them.
 BATCH_ENDPOINTS = tuple(ENDPOINTS)
 #: Endpoints OpenAI accepts for batches that this server does not run (yet): a clear 400.
-UNSERVED_BATCH_ENDPOINTS = ("/v1/embeddings", "/v1/responses")
+UNSERVED_BATCH_ENDPOINTS = ("/v1/embeddings",)
 
 
 def get(url: str) -> Endpoint[Any]:

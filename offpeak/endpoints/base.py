@@ -48,6 +48,7 @@ class SamplingSpec:
     ``max_tokens``: most new tokens per completion. ``logprobs``: ``None`` for none; ``k >= 0``
     for the sampled token's log-probability plus the ``k`` most likely alternatives at each
     position. The engine interface (``workers.engine.base``) takes this type as it is.
+    ``structured_output``: constrain the completion to JSON (``StructuredOutput``), or ``None``.
     """
 
     max_tokens: int
@@ -59,14 +60,34 @@ class SamplingSpec:
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    structured_output: StructuredOutput | None = None
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Decode only text of a JSON shape (an engine's grammar-constrained decoding).
+
+    ``json_schema``: the JSON Schema the text must validate against, as JSON text (checked
+    against its meta-schema already, ``offpeak.endpoints.structured``); ``None`` for any JSON
+    object (OpenAI's ``json_object``). ``param``: where the line set it (``response_format``,
+    ``text.format``), for the error of a schema the engine's grammar backend refuses.
+    """
+
+    json_schema: str | None = None
+    param: str = "response_format"
 
 
 @dataclass(frozen=True)
 class EngineInput:
-    """What a request line asks of the engine: a prompt in token ids and its sampling."""
+    """What a request line asks of the engine: a prompt in token ids and its sampling.
+
+    ``echo``: request fields the endpoint's output body repeats (the Responses API echoes
+    ``instructions``, ``metadata``, ``text`` …), kept in the line's record; ``None`` for none.
+    """
 
     prompt_token_ids: list[int]
     sampling: SamplingSpec
+    echo: dict[str, Any] | None = None
 
 
 Body = TypeVar("Body", bound=BaseModel)

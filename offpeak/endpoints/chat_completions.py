@@ -21,8 +21,15 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from offpeak import wire
-from offpeak.endpoints import fields
-from offpeak.endpoints.base import Endpoint, EngineInput, LineError, Tokenizer, context_budget
+from offpeak.endpoints import fields, structured
+from offpeak.endpoints.base import (
+    Endpoint,
+    EngineInput,
+    LineError,
+    StructuredOutput,
+    Tokenizer,
+    context_budget,
+)
 from offpeak.endpoints.errors import fail
 from offpeak.endpoints.records import Answer, CompletionRecord
 
@@ -78,7 +85,10 @@ class ChatCompletionRequest(BaseModel):
     logit_bias: Any = None
     audio: Any = None
     prediction: Any = None
-    response_format: Any = None
+    #: ``None`` for text; JSON mode or a JSON Schema (``offpeak.endpoints.structured``).
+    response_format: Annotated[
+        StructuredOutput | None, BeforeValidator(structured.chat_format)
+    ] = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -97,13 +107,6 @@ class ChatCompletionRequest(BaseModel):
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         return fields.unsupported(value, info)
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        if value not in (None, {"type": "text"}):
-            raise fail("unsupported_value", "Only response_format {'type': 'text'} is supported.")
-        return value
 
     @field_validator("top_p")
     @classmethod
@@ -155,7 +158,8 @@ class ChatCompletions(Endpoint[ChatCompletionRequest]):
         )
         budget = context_budget(len(prompt_ids), max_tokens, tokenizer.max_model_len, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs is True else None
-        return EngineInput(prompt_ids, fields.sampling(body, budget, logprobs))
+        sampling = fields.sampling(body, budget, logprobs, body.response_format)
+        return EngineInput(prompt_ids, sampling)
 
     def render(self, answer: Answer) -> dict[str, Any]:
         """A ``chat.completion`` body; each choice ``{index, message, logprobs, finish_reason}``."""

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from pydantic import ConfigDict, ValidationInfo
 
-from offpeak.endpoints.base import SamplingSpec
+from offpeak.endpoints.base import SamplingSpec, StructuredOutput
 from offpeak.endpoints.errors import fail
 
 #: Body models: strict types (``"8"`` is not an integer, ``true`` not a number), and unknown
@@ -69,7 +69,12 @@ class SamplingFields(Protocol):
     frequency_penalty: float | None
 
 
-def sampling(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingSpec:
+def sampling(
+    body: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    structured_output: StructuredOutput | None = None,
+) -> SamplingSpec:
     """The ``SamplingSpec`` of a parsed body, with OpenAI's defaults for what it leaves out."""
     return SamplingSpec(
         max_tokens=max_tokens,
@@ -81,6 +86,7 @@ def sampling(body: SamplingFields, max_tokens: int, logprobs: int | None) -> Sam
         logprobs=logprobs,
         presence_penalty=_or(body.presence_penalty, 0.0),
         frequency_penalty=_or(body.frequency_penalty, 0.0),
+        structured_output=structured_output,
     )
 
 

@@ -19,7 +19,7 @@ needed.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -73,6 +73,9 @@ class Answer(BaseModel):
     #: Prompt tokens served from the prefix cache.
     cached_tokens: int
     completions: list[CompletionRecord]
+    #: Request fields the output body repeats (``EngineInput.echo``: the Responses API's
+    #: ``instructions``, ``metadata``, ``text`` …); ``None`` for endpoints that repeat none.
+    echo: dict[str, Any] | None = None
 
     @property
     def completion_tokens(self) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 # One definition of sampling for both sides: endpoints (in the core) build it, engines take it.
-from offpeak.endpoints.base import SamplingSpec
+from offpeak.endpoints.base import SamplingSpec, StructuredOutput
 
 __all__ = [
     "Completion",
@@ -19,7 +19,9 @@ __all__ = [
     "EngineFault",
     "EngineRequest",
     "EngineResult",
+    "RequestRefused",
     "SamplingSpec",
+    "StructuredOutput",
     "TokenLogprob",
     "TopLogprob",
 ]
@@ -65,6 +67,15 @@ class EngineResult:
     #: Prompt tokens served from the prefix cache instead of prefilled again.
     cached_tokens: int
     completions: list[Completion]
+
+
+class RequestRefused(ValueError):
+    """``add``'s verdict on one request (the line fails alone, a 400), naming the body field at
+    fault (``param``) and OpenAI's ``code`` when the engine knows them; ``None`` otherwise."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class EngineFault(RuntimeError):

@@ -18,6 +18,7 @@ import gc
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -27,7 +28,9 @@ from workers.engine.base import (
     Completion,
     EngineRequest,
     EngineResult,
+    RequestRefused,
     SamplingSpec,
+    StructuredOutput,
     TokenLogprob,
     TopLogprob,
 )
@@ -161,8 +164,9 @@ class VllmEngine:
     def add(self, request: EngineRequest) -> None:
         """Queue ``request``; it joins the running batch at the next step it fits in.
 
-        Raises ``ValueError`` for a request id already in flight, an empty prompt, or a prompt of
-        ``max_model_len`` tokens or more (vLLM's own validation message).
+        Raises ``ValueError`` for a request id already in flight, an empty prompt, a prompt of
+        ``max_model_len`` tokens or more (vLLM's own validation message), or a JSON schema no
+        grammar backend can compile (``RequestRefused`` naming the schema's parameter).
         """
         if request.request_id in self._pending:
             raise ValueError(f"request {request.request_id!r} is already in the engine")
@@ -175,7 +179,7 @@ class VllmEngine:
             )
         except _request_errors() as exc:
             # vLLM 0.32 raises VLLMValidationError here, which is not a ValueError.
-            raise ValueError(str(exc)) from exc
+            raise _refusal(request, exc) from exc
         # Releases before request-id randomization return None and use our id as it is.
         internal_id = internal_id if isinstance(internal_id, str) else request.request_id
         self._pending[request.request_id] = _InFlight(internal_id, request.sampling)
@@ -415,7 +419,41 @@ def to_sampling_params(spec: SamplingSpec) -> SamplingParams:
         frequency_penalty=spec.frequency_penalty,
         # One RequestOutput per request, after all n samples finish: the runner never streams.
         output_kind=RequestOutputKind.FINAL_ONLY,
+        **_structured_outputs(spec.structured_output),
     )
+
+
+def _structured_outputs(spec: StructuredOutput | None) -> dict[str, Any]:
+    """``SamplingParams`` keywords constraining decoding to JSON: vLLM's structured outputs
+    (grammar backend ``auto``: xgrammar, falling back to llguidance, then outlines, for schemas
+    xgrammar cannot compile), or ``guided_decoding`` on releases before ``structured_outputs``."""
+    if spec is None:
+        return {}
+    constraint: dict[str, Any] = (
+        {"json_object": True} if spec.json_schema is None else {"json": spec.json_schema}
+    )
+    try:
+        from vllm.sampling_params import StructuredOutputsParams
+    except ImportError:  # vLLM < 0.11
+        from vllm.sampling_params import GuidedDecodingParams
+
+        return {"guided_decoding": GuidedDecodingParams(**constraint)}
+    return {"structured_outputs": StructuredOutputsParams(**constraint)}
+
+
+def _refusal(request: EngineRequest, exc: Exception) -> RequestRefused:
+    """The ``ValueError`` of a request vLLM refused at ``add``. A schema its grammar backends
+    cannot compile (they compile it right there, in ``SamplingParams._validate_structured_outputs``)
+    names the line's schema parameter, so the 400 line says which field is at fault."""
+    structured = request.sampling.structured_output
+    frames = traceback.extract_tb(exc.__traceback__)
+    if structured is not None and any(f.name == "_validate_structured_outputs" for f in frames):
+        return RequestRefused(
+            f"The schema cannot be used for structured output: {exc}",
+            param=structured.param,
+            code="invalid_json_schema",
+        )
+    return RequestRefused(str(exc))
 
 
 def _request_errors() -> tuple[type[Exception], ...]:

@@ -131,7 +131,9 @@ class HeldLines:
                 try:
                     engine.add(held.prepared.request)
                 except ValueError as exc:
-                    refused(held, LineError(str(exc)))
+                    # RequestRefused names the field and code when the engine knows them.
+                    param, code = getattr(exc, "param", None), getattr(exc, "code", None)
+                    refused(held, LineError(str(exc), param, code))
                     continue
                 except Exception as exc:
                     self.running[held.request_id] = held
