@@ -10,7 +10,17 @@ from fastapi import FastAPI
 import migrations
 from api.errors import install_error_handlers
 from api.limits import BodyLimitMiddleware
-from api.routes import admin, batches, dashboard, files, health, metrics, models, usage
+from api.routes import (
+    admin,
+    batches,
+    dashboard,
+    files,
+    health,
+    message_batches,
+    metrics,
+    models,
+    usage,
+)
 from api.services import keys
 from api.surrogates import LoneSurrogateMiddleware
 from offpeak import __version__
@@ -44,6 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_file_bytes=settings.max_file_bytes)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(message_batches.router)
     app.include_router(models.router)
     app.include_router(admin.router)
     app.include_router(usage.router)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from api.errors import Unauthorized
@@ -67,3 +67,29 @@ def get_tenant(session: SessionDep, credentials: BearerDep) -> Tenant:
 
 
 CurrentTenant = Annotated[Tenant, Depends(get_tenant)]
+
+
+#: Anthropic's ``x-api-key`` header (the ``anthropic`` SDK sends it), declared as the OpenAPI
+#: security scheme ``XApiKey``; the same keys as ``Authorization: Bearer``.
+x_api_key_scheme = APIKeyHeader(
+    name="x-api-key",
+    auto_error=False,
+    scheme_name="XApiKey",
+    description="A tenant's API key, `sk-offpeak-…`, as Anthropic's clients send it.",
+)
+XApiKeyDep = Annotated[str | None, Depends(x_api_key_scheme)]
+
+
+def get_anthropic_tenant(session: SessionDep, x_api_key: XApiKeyDep, bearer: BearerDep) -> Tenant:
+    """The tenant whose key is in ``x-api-key`` (or, as the ``anthropic`` SDK sends an
+    ``auth_token``, ``Authorization: Bearer``); 401 in Anthropic's wording otherwise."""
+    key = x_api_key if x_api_key is not None else (bearer.credentials if bearer else None)
+    if key is None:
+        raise Unauthorized("x-api-key header is required")
+    tenant = keys.tenant_for_key(session, key.strip())
+    if tenant is None:
+        raise Unauthorized("invalid x-api-key")
+    return tenant
+
+
+AnthropicTenant = Annotated[Tenant, Depends(get_anthropic_tenant)]

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from api.schemas import ErrorResponse
+from offpeak.endpoints import anthropic_messages
 from offpeak.wire import error_object
 
 log = logging.getLogger(__name__)
@@ -111,18 +112,32 @@ def _document_errors_as_sent(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+def _respond(
+    request: Request,
+    body: dict[str, Any],
+    status_code: int,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """The error answer: OpenAI's ``body`` as it is, or, on Anthropic's surface
+    (``/v1/messages…``), the same message in Anthropic's shape (``{"type": "error", "error":
+    {type, message}}``, the type from the status), which the ``anthropic`` SDK reads."""
+    if anthropic_messages.on_surface(request.url.path):
+        body = anthropic_messages.error_body(status_code, str(body["error"]["message"]))
+    return JSONResponse(body, status_code=status_code, headers=headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Render ``ApiError``, request validation and routing errors in OpenAI's shape (and say
     so in the OpenAPI document)."""
     _document_errors_as_sent(app)
 
     @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
-        return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
+        return _respond(request, exc.body(), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         loc = tuple(first.get("loc", ()))
         # A body that is not JSON at all is malformed (422); a missing or wrong value is a
@@ -131,29 +146,29 @@ def install_error_handlers(app: FastAPI) -> None:
             body = error_object(
                 "The request body is not valid JSON.", param=None, code="invalid_json"
             )
-            return JSONResponse(body, status_code=422)
+            return _respond(request, body, status_code=422)
         param = _param_from_loc(loc)
         kind = first.get("type", "")
         if param is None:
             message = "The request body must be a JSON object."
-            return JSONResponse(error_object(message, code="invalid_value"), status_code=400)
+            return _respond(request, error_object(message, code="invalid_value"), status_code=400)
         if kind == "missing":
             message = f"Missing required parameter: '{param}'."
             code = "missing_required_parameter"
         else:
             message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}."
             code = "invalid_value"
-        return JSONResponse(error_object(message, param=param, code=code), status_code=400)
+        return _respond(request, error_object(message, param=param, code=code), status_code=400)
 
     @app.exception_handler(DataError)
-    async def _data_error(_request: Request, _exc: DataError) -> JSONResponse:
+    async def _data_error(request: Request, _exc: DataError) -> JSONResponse:
         # The database refused a value the client sent (a NUL character, an over-long string):
         # a bad value, not a server fault. The session has already rolled back.
         message = "A value in the request cannot be stored or looked up (e.g. a NUL character)."
-        return JSONResponse(error_object(message, code="invalid_value"), status_code=400)
+        return _respond(request, error_object(message, code="invalid_value"), status_code=400)
 
     @app.exception_handler(UnicodeEncodeError)
-    async def _unencodable(_request: Request, exc: UnicodeEncodeError) -> JSONResponse:
+    async def _unencodable(request: Request, exc: UnicodeEncodeError) -> JSONResponse:
         # A string the database driver cannot encode as UTF-8 holds a lone UTF-16 surrogate,
         # which only a client's value can (``api.surrogates`` refuses such JSON bodies before
         # the app reads them; this is the net under it). Any other encoding failure is our bug.
@@ -164,7 +179,7 @@ def install_error_handlers(app: FastAPI) -> None:
             "A string in the request is not valid Unicode text (it holds a lone UTF-16 surrogate).",
             code="invalid_value",
         )
-        return JSONResponse(body, status_code=400)
+        return _respond(request, body, status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -173,7 +188,7 @@ def install_error_handlers(app: FastAPI) -> None:
         headers = dict(exc.headers or {})
         if exc.status_code == 405:
             headers["Allow"] = _allowed_methods(request) or headers.get("Allow", "")
-        return JSONResponse(body, status_code=exc.status_code, headers=headers or None)
+        return _respond(request, body, status_code=exc.status_code, headers=headers or None)
 
 
 def _allowed_methods(request: Request) -> str:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from offpeak.endpoints import anthropic_messages
 from offpeak.wire import error_object
 
 #: Multipart framing around the file part of an upload.
 MULTIPART_SLACK = 64 * 1024
 #: Every other body (batch create, cancel) is a small JSON object.
 JSON_BODY_LIMIT = 1 << 20
+#: A Message Batch carries its requests inline: Anthropic's limit, 256 MB.
+MESSAGE_BATCH_BODY_LIMIT = 256 << 20
 
 
 class BodyLimitMiddleware:
@@ -25,6 +28,8 @@ class BodyLimitMiddleware:
     def _limit(self, path: str) -> int:
         if path.rstrip("/") == "/v1/files":
             return self.max_file_bytes + MULTIPART_SLACK
+        if path.rstrip("/") == "/v1/messages/batches":
+            return MESSAGE_BATCH_BODY_LIMIT
         return JSON_BODY_LIMIT
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -35,7 +40,7 @@ class BodyLimitMiddleware:
         headers = dict(scope["headers"])
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > limit:
-            await self._refuse(send, limit)
+            await self._refuse(send, limit, scope["path"])
             return
         received = 0
         refused = False
@@ -51,7 +56,7 @@ class BodyLimitMiddleware:
                     # Answer now and tell the app the client left, so it stops reading; whatever
                     # it tries to send afterwards is dropped.
                     refused = True
-                    await self._refuse(send, limit)
+                    await self._refuse(send, limit, scope["path"])
                     return {"type": "http.disconnect"}
             return message
 
@@ -62,14 +67,12 @@ class BodyLimitMiddleware:
         await self.app(scope, counting_receive, guarded_send)
 
     @staticmethod
-    async def _refuse(send: Send, limit: int) -> None:
-        body = orjson.dumps(
-            error_object(
-                f"The request body is larger than the limit of {limit} bytes.",
-                param=None,
-                code="request_too_large",
-            )
-        )
+    async def _refuse(send: Send, limit: int, path: str) -> None:
+        message = f"The request body is larger than the limit of {limit} bytes."
+        if anthropic_messages.on_surface(path):
+            body = orjson.dumps(anthropic_messages.error_body(413, message))
+        else:
+            body = orjson.dumps(error_object(message, param=None, code="request_too_large"))
         await send(
             {
                 "type": "http.response.start",

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from offpeak.endpoints import anthropic_messages
 from offpeak.wire import error_object
 
 #: A lone surrogate can only come from a ``\u`` escape or from the UTF-8-style bytes of one
@@ -44,7 +45,7 @@ class LoneSurrogateMiddleware:
         body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
         param = lone_surrogate_path(body)
         if param is not None:
-            await _refuse(send, param)
+            await _refuse(send, param, scope["path"])
             return
 
         async def replay() -> Message:
@@ -108,13 +109,16 @@ def _encodable(text: str) -> bool:
     return True
 
 
-async def _refuse(send: Send, param: str) -> None:
+async def _refuse(send: Send, param: str, path: str) -> None:
     # The path may itself hold the surrogate (a key): spell it with escapes.
     shown = param.encode("utf-8", "backslashreplace").decode() or None
     message = (
         f"Invalid value for '{shown}': " if shown else "Invalid request body: "
     ) + "the string holds a lone UTF-16 surrogate (U+D800 to U+DFFF), which is not valid Unicode."
-    body = orjson.dumps(error_object(message, param=shown, code="invalid_value"))
+    if anthropic_messages.on_surface(path):
+        body = orjson.dumps(anthropic_messages.error_body(400, message))
+    else:
+        body = orjson.dumps(error_object(message, param=shown, code="invalid_value"))
     await send(
         {
             "type": "http.response.start",

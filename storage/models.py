@@ -124,6 +124,12 @@ class Batch(Base):
     expired_at: Mapped[int | None] = mapped_column(BigInteger)
     cancelling_at: Mapped[int | None] = mapped_column(BigInteger)
     cancelled_at: Mapped[int | None] = mapped_column(BigInteger)
+    #: Set when a Message Batch (Anthropic's surface) is deleted: its request lines and files
+    #: are gone, the row stays for its bill and its share of engine time.
+    deleted_at: Mapped[int | None] = mapped_column(BigInteger)
+    #: A Message Batch's number of requests as created: its request_counts add up to it even
+    #: when no request row was ever made (cancelled or expired before validation).
+    requests_submitted: Mapped[int | None] = mapped_column(Integer)
 
     # request_counts and usage, kept current while the batch runs and recomputed at the end.
     total: Mapped[int] = mapped_column(Integer, default=0)

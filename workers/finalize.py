@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session
 
 from offpeak import endpoints, wire
+from offpeak.endpoints import anthropic_messages, records
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings
 from offpeak.statuses import BatchStatus, LineStatus
@@ -52,7 +53,13 @@ def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
 
     Each line is rendered in OpenAI's shape from the row's record (``offpeak.endpoints``), whose
     ids were fixed when the line finished; a never-ran line's id is derived from the batch and
-    its custom_id. A re-run therefore writes the same bytes."""
+    its custom_id. A re-run therefore writes the same bytes.
+
+    A Message Batch (Anthropic's surface) gets one results file instead, its ``output_file_id``
+    (``_write_results``)."""
+    if batch.endpoint == anthropic_messages.URL:
+        _write_results(session, blobs, batch)
+        return
     out_key, err_key = f"outputs/{batch.id}/output.jsonl", f"outputs/{batch.id}/errors.jsonl"
     out_bytes = err_bytes = 0
     with blobs.writer(out_key) as out, blobs.writer(err_key) as err:
@@ -71,37 +78,61 @@ def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
                 continue  # pending/running rows do not exist once a batch is ending
             err.write(line + b"\n")
             err_bytes += len(line) + 1
+    _keep_file(session, blobs, batch, (out_bytes, out_key, "output", "output_file_id"))
+    _keep_file(session, blobs, batch, (err_bytes, err_key, "error", "error_file_id"))
+
+
+def _write_results(session: Session, blobs: BlobStore, batch: Batch) -> None:
+    """A Message Batch's results file: one line per request in Anthropic's shape
+    (``anthropic_messages.result_line``: succeeded, errored, canceled or expired), rendered from
+    the rows' records like the OpenAI files, so a re-run writes the same bytes."""
+    key = f"outputs/{batch.id}/results.jsonl"
+    size = 0
+    with blobs.writer(key) as out:
+        for custom_id, status, result in requests_repo.iter_finished(session, batch.id):
+            if status not in LineStatus.ENDED:
+                continue  # pending/running rows do not exist once a batch is ending
+            record = records.load(result) if result else None
+            line = anthropic_messages.result_line(custom_id, record, status) + b"\n"
+            out.write(line)
+            size += len(line)
+    _keep_file(session, blobs, batch, (size, key, "results", "output_file_id"))
+
+
+def _keep_file(
+    session: Session, blobs: BlobStore, batch: Batch, written: tuple[int, str, str, str]
+) -> None:
+    """Record a blob just written, ``written = (size in bytes, key, kind, attr)``, as the
+    batch's ``attr`` file (``output_file_id``…) named after ``kind``, reusing the file row a
+    previous run made for it; an empty one is deleted instead."""
+    size, key, kind, attr = written
     created = now()
-    for size, key, kind, attr in (
-        (out_bytes, out_key, "output", "output_file_id"),
-        (err_bytes, err_key, "error", "error_file_id"),
-    ):
-        existing = files_repo.live_by_blob_key(session, key)
-        if size == 0:
-            blobs.delete(key)
-            if existing is not None:
-                existing.deleted = True
-            continue
+    existing = files_repo.live_by_blob_key(session, key)
+    if size == 0:
+        blobs.delete(key)
         if existing is not None:
-            existing.bytes = size
-            setattr(batch, attr, existing.id)
-            continue
-        file = files_repo.add(
-            session,
-            File(
-                id=new_id("file-"),
-                tenant_id=batch.tenant_id,
-                filename=f"{batch.id}_{kind}.jsonl",
-                purpose="batch_output",
-                bytes=size,
-                status="processed",
-                blob_key=key,
-                created_at=created,
-                expires_at=None,
-                deleted=False,
-            ),
-        )
-        setattr(batch, attr, file.id)
+            existing.deleted = True
+        return
+    if existing is not None:
+        existing.bytes = size
+        setattr(batch, attr, existing.id)
+        return
+    file = files_repo.add(
+        session,
+        File(
+            id=new_id("file-"),
+            tenant_id=batch.tenant_id,
+            filename=f"{batch.id}_{kind}.jsonl",
+            purpose="batch_output",
+            bytes=size,
+            status="processed",
+            blob_key=key,
+            created_at=created,
+            expires_at=None,
+            deleted=False,
+        ),
+    )
+    setattr(batch, attr, file.id)
 
 
 #: Seconds between looks at a cancelling or expired batch whose lines a worker still holds:

@@ -83,4 +83,5 @@ def _completion(completion: Completion) -> CompletionRecord:
         finish_reason=completion.finish_reason,
         tokens=len(completion.token_ids),
         logprobs=logprobs,
+        stop_sequence=completion.stop_sequence,
     )

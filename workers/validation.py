@@ -68,16 +68,29 @@ def _clean(line: bytes, number: int) -> bytes:
 
 
 class _Checker:
-    def __init__(self, endpoint: str, served_models: set[str], settings: Settings) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        served_models: set[str],
+        settings: Settings,
+        model: str | None = None,
+    ) -> None:
         self.endpoint = endpoint
         # The endpoint's own rules run when a line runs (each fails that line alone); the file
         # is checked only for what makes a line unrunnable. An unknown endpoint requires
         # nothing here: the runner fails its lines with ``invalid_url``.
         served = endpoints.ENDPOINTS.get(endpoint)
         self.required_fields = served.required_fields if served else ()
+        #: ``False``: a line's stream/model problems fail it alone when it runs, on ``model``
+        #: (``Endpoint.refuses_file_for_body``).
+        self.refuses_file = served.refuses_file_for_body if served else True
+        self.max_requests = (
+            served.max_requests_per_batch if served and served.max_requests_per_batch else None
+        ) or settings.max_requests_per_batch
         self.served = served_models
         self.settings = settings
-        self.model: str | None = None
+        #: The batch's model: the first line's, or the one set when the batch was created.
+        self.model: str | None = model
         self.custom_ids: set[str] = set()
 
     def check(self, number: int, raw: bytes) -> tuple[dict[str, Any] | None, str]:
@@ -147,6 +160,12 @@ class _Checker:
             return wire.batch_error(
                 wire.INVALID_REQUEST, "body must be a JSON object.", number, "body"
             )
+        if not self.refuses_file:
+            if self.model is None:
+                return wire.batch_error(
+                    wire.INVALID_REQUEST, "The batch names no model to run on.", number
+                )
+            return None
         if body.get("stream"):
             return wire.batch_error(
                 wire.STREAMING_UNSUPPORTED,
@@ -162,8 +181,9 @@ class _Checker:
         if not isinstance(model, str) or model not in self.served:
             return wire.batch_error(
                 wire.MODEL_NOT_FOUND,
-                f"The model {model!r} is not served here; served models: "
-                f"{', '.join(sorted(self.served))}.",
+                # OpenAI's recorded wording, which clients and peer test suites match on.
+                f"The provided model '{model}' is not supported by the Batch API. "
+                f"Served models: {', '.join(sorted(self.served))}.",
                 number,
                 "body.model",
             )
@@ -199,7 +219,7 @@ def validate_into_rows(
     inserted.
     """
     outcome = Outcome()
-    checker = _Checker(batch.endpoint, set(settings.models), settings)
+    checker = _Checker(batch.endpoint, set(settings.models), settings, batch.model)
     requests_repo.bulk_insert(
         session, _valid_rows(blobs, settings, batch, blob_key, checker, outcome)
     )
@@ -222,7 +242,7 @@ def _valid_rows(
     """The request rows of the file's lines (``requests_repo.INTAKE_COLUMNS`` order), recording
     problems and the request count in ``outcome``; yields nothing once a problem is found."""
     batch_id, deadline = batch.id, batch.expires_at
-    max_errors, max_requests = settings.max_validation_errors, settings.max_requests_per_batch
+    max_errors, max_requests = settings.max_validation_errors, checker.max_requests
     for number, raw in iter_lines(blobs.iter_chunks(blob_key)):
         if not raw.strip():
             continue  # blank and whitespace-only lines are allowed and skipped

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 from api.errors import BadRequest, Conflict, NotFound
 from api.schemas import CreateBatch
 from offpeak import endpoints
+from offpeak.endpoints import anthropic_messages
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings, window_seconds
 from offpeak.statuses import BatchStatus
@@ -56,7 +57,9 @@ def create(session: Session, settings: Settings, tenant_id: str, request: Create
             param="endpoint",
             code="unsupported_endpoint",
         )
-    if request.endpoint not in endpoints.ENDPOINTS:
+    target = endpoints.ENDPOINTS.get(request.endpoint)
+    # Anthropic's /v1/messages lines come only through the Message Batches API.
+    if target is None or target.surface != "openai":
         raise BadRequest(
             f"Invalid endpoint {request.endpoint!r}: use one of {served}.", param="endpoint"
         )
@@ -105,8 +108,10 @@ def create(session: Session, settings: Settings, tenant_id: str, request: Create
 def get(session: Session, tenant_id: str, batch_id: str) -> Batch:
     """Raises ``NotFound`` for an unknown or another tenant's batch."""
     batch = batches_repo.get(session, tenant_id, batch_id)
-    if batch is None:
-        raise NotFound(f"No such Batch object: {batch_id}", param="batch_id")
+    # A Message Batch (Anthropic's surface, ``api.services.message_batches``) is not one here.
+    if batch is None or batch.endpoint == anthropic_messages.URL:
+        # OpenAI's recorded wording, which clients and peer test suites match on.
+        raise NotFound(f"No batch found with id '{batch_id}'.", param="batch_id")
     return batch
 
 
@@ -115,7 +120,11 @@ def page(
 ) -> tuple[list[Batch], bool]:
     if not 1 <= limit <= 100:
         raise BadRequest("limit must be between 1 and 100.", param="limit")
-    rows = list(batches_repo.page(session, tenant_id, after=after, limit=limit))
+    rows = list(
+        batches_repo.page(
+            session, tenant_id, after=after, limit=limit, exclude_endpoint=anthropic_messages.URL
+        )
+    )
     return rows[:limit], len(rows) > limit
 
 

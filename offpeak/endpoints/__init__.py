@@ -23,6 +23,7 @@ from typing import Any
 
 from offpeak import wire
 from offpeak.endpoints import records
+from offpeak.endpoints.anthropic_messages import AnthropicMessages
 from offpeak.endpoints.base import Endpoint, EngineInput, SamplingSpec, Tokenizer
 from offpeak.endpoints.chat_completions import ChatCompletions
 from offpeak.endpoints.completions import Completions
@@ -44,10 +45,12 @@ __all__ = [
 
 #: Batch endpoints served here, by url.
 ENDPOINTS: dict[str, Endpoint[Any]] = {
-    endpoint.url: endpoint for endpoint in (ChatCompletions(), Completions(), Responses())
+    endpoint.url: endpoint
+    for endpoint in (ChatCompletions(), Completions(), Responses(), AnthropicMessages())
 }
-#: Their urls, in the order error messages list them.
-BATCH_ENDPOINTS = tuple(ENDPOINTS)
+#: The urls an OpenAI batch may target, in the order error messages list them (Anthropic's
+#: ``/v1/messages`` lines come only through the Message Batches API).
+BATCH_ENDPOINTS = tuple(url for url, endpoint in ENDPOINTS.items() if endpoint.surface == "openai")
 #: Endpoints OpenAI accepts for batches that this server does not run (yet): a clear 400.
 UNSERVED_BATCH_ENDPOINTS = ("/v1/embeddings",)
 

@@ -29,6 +29,8 @@ class Tokenizer(Protocol):
 
     #: Context window in tokens (prompt + completion).
     max_model_len: int
+    #: The served model's name (an endpoint whose lines may name another model refuses them).
+    model_name: str
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of ``messages`` (``{role, content}`` with text content) rendered with the
@@ -47,7 +49,8 @@ class SamplingSpec:
 
     ``max_tokens``: most new tokens per completion. ``logprobs``: ``None`` for none; ``k >= 0``
     for the sampled token's log-probability plus the ``k`` most likely alternatives at each
-    position. The engine interface (``workers.engine.base``) takes this type as it is.
+    position. ``top_k``: sample from the ``k`` most likely tokens only; 0 for all of them.
+    The engine interface (``workers.engine.base``) takes this type as it is.
     ``structured_output``: constrain the completion to JSON (``StructuredOutput``), or ``None``.
     """
 
@@ -60,6 +63,7 @@ class SamplingSpec:
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    top_k: int = 0
     structured_output: StructuredOutput | None = None
 
 
@@ -78,16 +82,29 @@ class StructuredOutput:
 
 
 @dataclass(frozen=True)
+class PoolingSpec:
+    """What a pooling line (``/v1/embeddings``) asks of an embedding engine instead of text:
+    ``inputs``, the token ids of each input, one vector each, in order; ``dimensions``, a
+    shorter vector (a Matryoshka model's), or ``None`` for the model's own size."""
+
+    inputs: tuple[tuple[int, ...], ...]
+    dimensions: int | None = None
+
+
+@dataclass(frozen=True)
 class EngineInput:
     """What a request line asks of the engine: a prompt in token ids and its sampling.
 
     ``echo``: request fields the endpoint's output body repeats (the Responses API echoes
     ``instructions``, ``metadata``, ``text`` …), kept in the line's record; ``None`` for none.
+    ``pooling``: set for an embeddings line, whose engine pools every input instead of
+    generating (``prompt_token_ids`` is then its first input, the key lines are ordered by).
     """
 
     prompt_token_ids: list[int]
     sampling: SamplingSpec
     echo: dict[str, Any] | None = None
+    pooling: PoolingSpec | None = None
 
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -106,6 +123,17 @@ class Endpoint(ABC, Generic[Body]):
     required_fields: ClassVar[tuple[str, ...]]
     #: Prefix of the output body's ``id`` (``chatcmpl-``, ``cmpl-``).
     response_id_prefix: ClassVar[str]
+    #: Whether validation refuses the whole input file for a line that sets ``stream``, names
+    #: a model not served or another model than earlier lines (OpenAI's Batch API:
+    #: ``streaming_unsupported``, ``model_not_found``, ``mismatched_model``). ``False``: the
+    #: line runs on the batch's model, set when the batch is created, and the endpoint fails it
+    #: alone (Anthropic's Message Batches check each request's params on their own).
+    refuses_file_for_body: ClassVar[bool] = True
+    #: The API surface whose batches hold its lines: ``openai`` (``/v1/batches``) or
+    #: ``anthropic`` (``/v1/messages/batches``).
+    surface: ClassVar[str] = "openai"
+    #: Most request lines one batch may hold; ``None``: the ``max_requests_per_batch`` setting.
+    max_requests_per_batch: ClassVar[int | None] = None
 
     def parse(self, body: dict[str, Any]) -> Body:
         """The validated body. Raises ``LineError`` with OpenAI's code, message and param for

@@ -50,6 +50,8 @@ class CompletionRecord(BaseModel):
     finish_reason: str
     #: Tokens generated.
     tokens: int
+    #: The stop string that ended the completion, when one did (Anthropic's ``stop_sequence``).
+    stop_sequence: str | None = None
     #: ``None`` unless the line asked for log-probabilities.
     logprobs: list[TokenLogprob] | None = None
 
@@ -76,6 +78,9 @@ class Answer(BaseModel):
     #: Request fields the output body repeats (``EngineInput.echo``: the Responses API's
     #: ``instructions``, ``metadata``, ``text`` …); ``None`` for endpoints that repeat none.
     echo: dict[str, Any] | None = None
+    #: An embeddings line's vectors, one per input, each little-endian float32 bytes in base64
+    #: (``offpeak.endpoints.embeddings``); ``None`` for text endpoints.
+    embeddings: list[str] | None = None
 
     @property
     def completion_tokens(self) -> int:

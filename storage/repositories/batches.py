@@ -85,9 +85,19 @@ def get_any(session: Session, batch_id: str) -> Batch | None:
     return session.get(Batch, batch_id)
 
 
-def page(session: Session, tenant_id: str, *, after: str | None, limit: int) -> Sequence[Batch]:
-    """Up to ``limit + 1`` batches, newest first, older than the cursor ``after``."""
+def page(
+    session: Session,
+    tenant_id: str,
+    *,
+    after: str | None,
+    limit: int,
+    exclude_endpoint: str | None = None,
+) -> Sequence[Batch]:
+    """Up to ``limit + 1`` batches, newest first, older than the cursor ``after``; without
+    those of ``exclude_endpoint`` (another API surface's batches)."""
     query = select(Batch).where(Batch.tenant_id == tenant_id)
+    if exclude_endpoint is not None:
+        query = query.where(Batch.endpoint != exclude_endpoint)
     if after:
         query = query.where(Batch.id < after)
     return session.scalars(query.order_by(Batch.id.desc()).limit(limit + 1)).all()

@@ -56,6 +56,8 @@ class Completion:
     #: ``stop`` (end of sequence or a stop string) or ``length`` (``max_tokens`` reached).
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
+    #: The stop string that ended it (``finish_reason`` ``stop``), ``None`` for end of sequence.
+    stop_sequence: str | None = None
 
 
 @dataclass

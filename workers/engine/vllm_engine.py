@@ -281,6 +281,8 @@ class VllmEngine:
             token_ids=token_ids,
             finish_reason=_FINISH_REASONS.get(reason, "stop"),
             logprobs=logprobs,
+            # vLLM's stop_reason: the stop string matched, a stop token id, or None (EOS).
+            stop_sequence=stop if isinstance(stop := completion.stop_reason, str) else None,
         )
 
     def _to_logprobs(
@@ -412,6 +414,7 @@ def to_sampling_params(spec: SamplingSpec) -> SamplingParams:
         max_tokens=spec.max_tokens,
         temperature=spec.temperature,
         top_p=spec.top_p,
+        top_k=spec.top_k,
         stop=list(spec.stop) or None,
         seed=spec.seed,
         logprobs=spec.logprobs,

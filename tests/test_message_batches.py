@@ -1,0 +1,492 @@
+"""Anthropic's Message Batches API through the official ``anthropic`` SDK, against the API in
+process, without an engine: the envelope checks at create, the MessageBatch object, pages,
+cancel, delete, results, auth by ``x-api-key``, errors in Anthropic's shape, and the
+``/v1/messages`` endpoint module (params checked per request, the Message object rendered from
+records, the result lines) with the instant engine standing in for the model.
+
+The same lifecycle on the real model is in ``test_message_batches_engine.py``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anthropic
+import orjson
+import pytest
+from anthropic.types.messages import MessageBatchIndividualResponse
+from fastapi.testclient import TestClient
+from openai import OpenAI
+
+from api.schemas_message_batches import rfc3339
+from offpeak.endpoints import anthropic_messages, records
+from offpeak.endpoints.errors import LineError
+from offpeak.endpoints.records import Answer, CompletionRecord, Failure
+from offpeak.settings import Settings
+from storage.blobs import get_blob_store
+from storage.db import session_scope
+from storage.models import LedgerEntry, RequestLine
+from storage.repositories import batches as batches_repo
+from storage.repositories import requests as requests_repo
+from tests.conftest import new_key
+from workers import serving
+from workers.accounting import bill_batch
+from workers.engine.instant import InstantEngine
+from workers.finalize import finalize
+from workers.runner import results
+from workers.validation import run_validation
+
+ENDPOINT = anthropic_messages.ENDPOINT
+
+
+def _client(http: TestClient, key: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(
+        base_url="http://testserver", api_key=key, http_client=http, max_retries=0
+    )
+
+
+@pytest.fixture()
+def claude(http: TestClient, api_key: str) -> anthropic.Anthropic:
+    """The official Anthropic SDK on the in-process API (it sends the key as ``x-api-key``)."""
+    return _client(http, api_key)
+
+
+def _model(settings: Settings) -> str:
+    return next(iter(settings.models))
+
+
+def _request(custom_id: str, model: str, **params: Any) -> dict[str, Any]:
+    body = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+    return {"custom_id": custom_id, "params": {**body, **params}}
+
+
+# --- The endpoint module: params, engine input, rendering -------------------------------------
+
+
+def _error(params: dict[str, Any], engine: InstantEngine | None = None) -> LineError:
+    engine = engine or InstantEngine("m")
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+    with pytest.raises(LineError) as caught:
+        ENDPOINT.prepare({**body, **params}, engine)
+    return caught.value
+
+
+@pytest.mark.parametrize(
+    ("params", "param", "words"),
+    [
+        ({"stream": True}, "stream", "stream: not supported"),
+        ({"tools": [{"name": "t", "input_schema": {}}]}, "tools", "tools: not supported"),
+        ({"tool_choice": {"type": "auto"}}, "tool_choice", "tool_choice: not supported"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking", "thinking:"),
+        ({"temperature": 1.5}, "temperature", "less than or equal to 1"),
+        ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+        ({"max_tokens": None}, "max_tokens", "max_tokens: Input should be a valid integer"),
+        ({"frequency_penalty": 1}, "frequency_penalty", "Extra inputs are not permitted"),
+        ({"stop_sequences": ["ok", " "]}, "stop_sequences.1", "non-whitespace"),
+        ({"messages": []}, "messages", "at least 1 item"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role", "'user'"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "messages.0.content",
+            "'image' content blocks are not supported",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "content": "a "},
+                ]
+            },
+            "messages",
+            "trailing whitespace",
+        ),
+    ],
+)
+def test_a_request_the_server_cannot_honour_errors_naming_its_param(
+    params: dict[str, Any], param: str, words: str
+) -> None:
+    error = _error(params)
+    assert error.param == param and words in error.message and error.status_code == 400
+    assert error.message.startswith(param.split(".")[0])  # Anthropic's "<param>: …" wording
+
+
+def test_a_missing_max_tokens_and_another_model_are_anthropics_errors() -> None:
+    engine = InstantEngine("m")
+    with pytest.raises(LineError) as caught:
+        ENDPOINT.prepare({"model": "m", "messages": [{"role": "user", "content": "x"}]}, engine)
+    assert caught.value.message == "max_tokens: Field required"
+    other = _error({"model": "claude-opus-9"})
+    assert (other.status_code, other.message, other.param) == (404, "model: claude-opus-9", "model")
+    assert anthropic_messages.error_type(other.status_code) == "not_found_error"
+
+
+def test_turns_system_blocks_and_a_prefill_make_the_prompt() -> None:
+    """Consecutive turns of one role are one turn; system blocks join; a final assistant turn
+    is continued, its text after the generation prompt."""
+    engine = InstantEngine("m")
+    body = {
+        "model": "m",
+        "max_tokens": 4,
+        "system": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}],
+        "messages": [
+            {"role": "user", "content": "Hello"},
+            {"role": "user", "content": [{"type": "text", "text": "there", "cache_control": {}}]},
+            {"role": "assistant", "content": "The answer is"},
+        ],
+        "top_k": 5,
+        "stop_sequences": ["END"],
+        "metadata": {"user_id": "u-1"},
+    }
+    prepared = ENDPOINT.prepare(body, engine)
+    expected = engine.encode_chat(
+        [
+            {"role": "system", "content": "Be brief.\n\nBe kind."},
+            {"role": "user", "content": "Hello\n\nthere"},
+        ]
+    ) + engine.encode_text("The answer is")
+    assert prepared.prompt_token_ids == expected
+    assert (prepared.sampling.top_k, prepared.sampling.stop) == (5, ("END",))
+    assert prepared.sampling.max_tokens == 4
+
+
+def test_a_prompt_over_the_window_errors_in_anthropics_words() -> None:
+    engine = InstantEngine("m", max_model_len=64)
+    error = _error({"max_tokens": 60}, engine)
+    assert error.message.startswith("input length and `max_tokens` exceed context limit")
+    error = _error({"messages": [{"role": "user", "content": "x" * 100}]}, engine)
+    assert error.message.startswith("prompt is too long")
+
+
+def _answer(finish: str, stop: str | None = None) -> Answer:
+    return Answer(
+        endpoint=anthropic_messages.URL,
+        model="m",
+        created=1,
+        line_id="batch_req_1",
+        request_id="req_1",
+        response_id="msg_1",
+        prompt_tokens=10,
+        cached_tokens=4,
+        completions=[
+            CompletionRecord(text="Hi", finish_reason=finish, tokens=2, stop_sequence=stop)
+        ],
+    )
+
+
+@pytest.mark.parametrize(
+    ("finish", "stop", "reason"),
+    [("stop", None, "end_turn"), ("length", None, "max_tokens"), ("stop", "END", "stop_sequence")],
+)
+def test_result_lines_parse_with_the_sdks_types(finish: str, stop: str | None, reason: str) -> None:
+    line = anthropic_messages.result_line("a", _answer(finish, stop), "succeeded")
+    parsed = MessageBatchIndividualResponse.model_validate(orjson.loads(line))
+    assert parsed.result.type == "succeeded"
+    message = parsed.result.message
+    assert (message.id, message.type, message.role, message.model) == (
+        "msg_1",
+        "message",
+        "assistant",
+        "m",
+    )
+    assert message.content[0].type == "text" and message.content[0].text == "Hi"
+    assert (message.stop_reason, message.stop_sequence) == (reason, stop)
+    # Anthropic's input_tokens leave out the tokens read from the cache.
+    usage = message.usage
+    assert (usage.input_tokens, usage.cache_read_input_tokens, usage.output_tokens) == (6, 4, 2)
+
+
+def test_errored_canceled_and_expired_lines_parse_with_the_sdks_types() -> None:
+    failure = records.failure(LineError("stream: not supported by this server", "stream"))
+    errored = MessageBatchIndividualResponse.model_validate(
+        orjson.loads(anthropic_messages.result_line("e", failure, "failed"))
+    )
+    assert errored.result.type == "errored"
+    assert errored.result.error.type == "error"
+    assert errored.result.error.error.type == "invalid_request_error"
+    assert errored.result.error.error.message == "stream: not supported by this server"
+    server = Failure(
+        line_id="l", request_id="r", status_code=500, type="server_error", code=None,
+        message="engine failure", param=None,
+    )  # fmt: skip
+    line = MessageBatchIndividualResponse.model_validate_json(
+        anthropic_messages.result_line("s", server, "failed")
+    )
+    assert line.result.type == "errored" and line.result.error.error.type == "api_error"
+    for status, kind in (("cancelled", "canceled"), ("expired", "expired")):
+        parsed = MessageBatchIndividualResponse.model_validate_json(
+            anthropic_messages.result_line("x", None, status)
+        )
+        assert parsed.result.type == kind
+
+
+# --- The API through the SDK ------------------------------------------------------------------
+
+
+def test_create_retrieve_and_the_message_batch_object(
+    claude: anthropic.Anthropic, settings: Settings
+) -> None:
+    model = _model(settings)
+    batch = claude.messages.batches.create(
+        requests=[_request("a", model), _request("b-2_x", model, stream=True)],  # type: ignore[list-item]
+        extra_headers={"anthropic-version": "2023-06-01"},
+    )
+    assert batch.id.startswith("msgbatch_") and batch.type == "message_batch"
+    assert batch.processing_status == "in_progress"
+    counts = batch.request_counts
+    assert (counts.processing, counts.succeeded, counts.errored) == (2, 0, 0)
+    assert (counts.canceled, counts.expired) == (0, 0)
+    assert (batch.expires_at - batch.created_at).total_seconds() == 86_400
+    assert batch.ended_at is None and batch.cancel_initiated_at is None
+    assert batch.archived_at is None and batch.results_url is None
+    again = claude.messages.batches.retrieve(batch.id)
+    assert again.id == batch.id and again.created_at == batch.created_at
+    assert rfc3339(0) == "1970-01-01T00:00:00Z"
+
+
+@pytest.mark.parametrize(
+    ("requests", "words"),
+    [
+        ([], "requests: List should have at least 1 item"),
+        ([{"custom_id": "has space", "params": {}}], "requests.0.custom_id: must match"),
+        ([{"custom_id": "x" * 65, "params": {}}], "requests.0.custom_id: must match"),
+        (
+            [{"custom_id": "a", "params": {}}, {"custom_id": "a", "params": {}}],
+            "requests.1.custom_id",
+        ),
+        ([{"custom_id": "a"}], "requests.0.params: Field required"),
+    ],
+)
+def test_a_bad_envelope_is_refused_in_anthropics_shape(
+    claude: anthropic.Anthropic, requests: list[dict[str, Any]], words: str
+) -> None:
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.batches.create(requests=requests)  # type: ignore[arg-type]
+    body = caught.value.body
+    assert isinstance(body, dict) and body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"].startswith(words)
+
+
+def test_more_than_the_request_limit_is_refused(claude: anthropic.Anthropic) -> None:
+    requests = [{"custom_id": f"r{i}", "params": {}} for i in range(100_001)]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.batches.create(requests=requests)  # type: ignore[arg-type]
+    assert "at most 100000 items" in caught.value.message
+
+
+def test_auth_is_x_api_key_with_the_same_keys(http: TestClient, settings: Settings) -> None:
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        _client(http, "sk-offpeak-wrong").messages.batches.list()
+    assert caught.value.body == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": "invalid x-api-key"},
+    }
+    raw = http.get("/v1/messages/batches")
+    assert (
+        raw.status_code == 401 and raw.json()["error"]["message"] == "x-api-key header is required"
+    )
+    key = new_key(settings)
+    bearer = anthropic.Anthropic(
+        base_url="http://testserver", auth_token=key, http_client=http, max_retries=0
+    )
+    assert bearer.messages.batches.list().data == []
+    # One key serves both surfaces.
+    OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http).models.list()
+
+
+def test_an_unknown_batch_is_anthropics_404(claude: anthropic.Anthropic, http: TestClient) -> None:
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        claude.messages.batches.retrieve("msgbatch_nope")
+    assert caught.value.body == {
+        "type": "error",
+        "error": {
+            "type": "not_found_error",
+            "message": "No message batch found with id 'msgbatch_nope'.",
+        },
+    }
+    with pytest.raises(anthropic.NotFoundError):  # an unknown path under the surface, too
+        claude.get("/v1/messages/batches/msgbatch_nope/nothing", cast_to=object)
+
+
+def test_list_is_newest_first_with_both_cursors(
+    claude: anthropic.Anthropic, settings: Settings
+) -> None:
+    model = _model(settings)
+    made = [claude.messages.batches.create(requests=[_request("a", model)]).id for _ in range(5)]  # type: ignore[list-item]
+    newest = list(reversed(made))
+    first = claude.messages.batches.list(limit=2)
+    assert [b.id for b in first.data] == newest[:2] and first.has_more
+    assert (first.first_id, first.last_id) == (newest[0], newest[1])
+    assert [b.id for b in claude.messages.batches.list(limit=2)] == newest  # the SDK pages on
+    after = claude.messages.batches.list(limit=10, after_id=newest[1])
+    assert [b.id for b in after.data] == newest[2:] and not after.has_more
+    before = claude.messages.batches.list(limit=2, before_id=newest[4])
+    assert [b.id for b in before.data] == newest[2:4] and before.has_more
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.batches.list(limit=1001)
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.batches.list(limit=0)
+
+
+def test_each_surface_shows_only_its_own_batches(
+    claude: anthropic.Anthropic, http: TestClient, api_key: str, settings: Settings
+) -> None:
+    import openai
+
+    batch = claude.messages.batches.create(requests=[_request("a", _model(settings))])  # type: ignore[list-item]
+    client = OpenAI(
+        base_url="http://testserver/v1", api_key=api_key, http_client=http, max_retries=0
+    )
+    assert client.batches.list().data == []
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.batches.retrieve(batch.id)
+    assert caught.value.body["message"] == f"No batch found with id '{batch.id}'."  # type: ignore[index]
+    assert caught.value.body["code"] == "not_found"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):
+        file = client.files.create(file=("x.jsonl", b"{}\n"), purpose="batch")
+        client.batches.create(
+            input_file_id=file.id,
+            endpoint="/v1/messages",
+            completion_window="24h",  # type: ignore[arg-type]
+        )
+
+
+def _run_instant(settings: Settings, batch_id: str, model: str, limit: int) -> None:
+    """What an engine worker does with ``limit`` lines of the batch, the instant engine standing
+    in for the model (``InstantEngine``: a fixed answer at once)."""
+    url, at = settings.resolved_database_url, time.time()
+    engine = InstantEngine(model)
+    with session_scope(url) as session:
+        claimed = requests_repo.claim(
+            session, model=model, limit=limit, owner="w1", lease_until=at + 60, at=at,
+            batch_ids=[batch_id],
+        )  # fmt: skip
+    finished, ready = [], {}
+    for row in claimed:
+        line = orjson.loads(row.line_json)
+        try:
+            prepared = serving.prepare(str(row.id), line["url"], line["body"], engine)
+        except LineError as exc:
+            finished.append(results.failed(row, exc, at))
+            continue
+        engine.add(prepared.request)
+        ready[prepared.request.request_id] = (row, prepared)
+    for result in engine.step():
+        row, prepared = ready[result.request_id]
+        finished.append(results.succeeded(row, prepared, result, int(at), at))
+    with session_scope(url) as session:
+        requests_repo.write_results(session, "w1", finished)
+
+
+def test_a_batch_runs_ends_and_bills_only_its_succeeded_requests(
+    claude: anthropic.Anthropic, settings: Settings
+) -> None:
+    """Validation, claims, finalize and billing, unchanged, on a Message Batch: a request with
+    ``stream``, one with tools and one naming another model error alone; the rest succeed; the
+    results parse with the SDK; the bill counts the succeeded requests' tokens only."""
+    model = _model(settings)
+    batch = claude.messages.batches.create(
+        requests=[
+            _request("ok-1", model),
+            _request("stream", model, stream=True),
+            _request("tools", model, tools=[{"name": "t", "input_schema": {"type": "object"}}]),
+            _request("other", "claude-opus-9"),
+            _request("ok-2", model, system="Be brief.", stop_sequences=["END"]),
+        ]  # type: ignore[list-item]
+    )
+    blobs = get_blob_store(settings.resolved_blob_url)
+    assert run_validation(settings, blobs, batch.id) == model
+    _run_instant(settings, batch.id, model, limit=10)
+    assert finalize(settings, blobs, batch.id).done
+    ended = claude.messages.batches.retrieve(batch.id)
+    assert ended.processing_status == "ended" and ended.ended_at is not None
+    counts = ended.request_counts
+    assert (counts.processing, counts.succeeded, counts.errored, counts.canceled) == (0, 2, 3, 0)
+    assert ended.results_url == f"http://testserver/v1/messages/batches/{batch.id}/results"
+    lines = {r.custom_id: r.result for r in claude.messages.batches.results(batch.id)}
+    assert set(lines) == {"ok-1", "stream", "tools", "other", "ok-2"}
+    assert lines["ok-1"].type == "succeeded" and lines["ok-1"].message.content[0].text == "OK"
+    assert lines["ok-1"].message.stop_reason == "end_turn"
+    for custom_id, param in (("stream", "stream"), ("tools", "tools")):
+        result = lines[custom_id]
+        assert result.type == "errored" and result.error.error.type == "invalid_request_error"
+        assert result.error.error.message.startswith(f"{param}: ")
+    assert lines["other"].type == "errored" and lines["other"].error.error.type == "not_found_error"
+    bill_batch(settings, batch.id)
+    usage = [lines[c].message.usage for c in ("ok-1", "ok-2")]  # type: ignore[union-attr]
+    with session_scope(settings.resolved_database_url) as session:
+        bill = session.query(LedgerEntry).filter_by(batch_id=batch.id).one()
+        assert bill.requests == 2
+        assert bill.input_tokens == sum(
+            u.input_tokens + (u.cache_read_input_tokens or 0) for u in usage
+        )
+        assert bill.output_tokens == sum(u.output_tokens for u in usage)
+
+
+def test_cancel_then_results_then_delete(claude: anthropic.Anthropic, settings: Settings) -> None:
+    """Cancel mid-run: the requests that finished keep their result, the others are canceled;
+    a batch still processing cannot be deleted; an ended one can, with its lines and files."""
+    model = _model(settings)
+    batch = claude.messages.batches.create(
+        requests=[_request(f"r{i}", model) for i in range(4)]  # type: ignore[list-item]
+    )
+    blobs = get_blob_store(settings.resolved_blob_url)
+    assert run_validation(settings, blobs, batch.id) == model
+    _run_instant(settings, batch.id, model, limit=1)
+    canceling = claude.messages.batches.cancel(batch.id)
+    assert canceling.processing_status == "canceling" and canceling.cancel_initiated_at is not None
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.batches.delete(batch.id)
+    assert "cancel it first" in caught.value.message
+    assert finalize(settings, blobs, batch.id).done
+    ended = claude.messages.batches.retrieve(batch.id)
+    counts = ended.request_counts
+    assert (ended.processing_status, counts.succeeded, counts.canceled) == ("ended", 1, 3)
+    assert claude.messages.batches.cancel(batch.id).processing_status == "ended"
+    kinds = sorted(r.result.type for r in claude.messages.batches.results(batch.id))
+    assert kinds == ["canceled", "canceled", "canceled", "succeeded"]
+    with session_scope(settings.resolved_database_url) as session:
+        row = batches_repo.get_any(session, batch.id)
+        assert row is not None
+        keys = [row.input_file_id, row.output_file_id]
+    deleted = claude.messages.batches.delete(batch.id)
+    assert (deleted.id, deleted.type) == (batch.id, "message_batch_deleted")
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.batches.retrieve(batch.id)
+    assert batch.id not in [b.id for b in claude.messages.batches.list()]
+    with session_scope(settings.resolved_database_url) as session:
+        assert session.query(RequestLine).filter_by(batch_id=batch.id).count() == 0
+        from storage.models import File
+
+        files = session.query(File).filter(File.id.in_(keys)).all()
+        assert len(files) == 2 and all(f.deleted for f in files)
+        assert not any(blobs.exists(f.blob_key) for f in files)
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.batches.delete(batch.id)
+
+
+def test_a_batch_cancelled_before_validation_cancels_every_request(
+    claude: anthropic.Anthropic, settings: Settings
+) -> None:
+    batch = claude.messages.batches.create(
+        requests=[_request(f"r{i}", _model(settings)) for i in range(3)]  # type: ignore[list-item]
+    )
+    claude.messages.batches.cancel(batch.id)
+    blobs = get_blob_store(settings.resolved_blob_url)
+    run_validation(settings, blobs, batch.id)
+    assert finalize(settings, blobs, batch.id).done
+    ended = claude.messages.batches.retrieve(batch.id)
+    assert ended.request_counts.canceled == 3 and ended.request_counts.processing == 0
+    results_ = list(claude.messages.batches.results(batch.id))
+    assert sorted(r.custom_id for r in results_) == ["r0", "r1", "r2"]
+    assert {r.result.type for r in results_} == {"canceled"}
+
+
+def test_results_before_the_end_are_refused(
+    claude: anthropic.Anthropic, http: TestClient, api_key: str, settings: Settings
+) -> None:
+    batch = claude.messages.batches.create(requests=[_request("a", _model(settings))])  # type: ignore[list-item]
+    with pytest.raises(anthropic.AnthropicError, match="Has it finished processing"):
+        claude.messages.batches.results(batch.id)  # the SDK itself needs results_url
+    raw = http.get(f"/v1/messages/batches/{batch.id}/results", headers={"x-api-key": api_key})
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
