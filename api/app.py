@@ -20,6 +20,7 @@ from api.routes import (
     metrics,
     models,
     usage,
+    webhooks,
 )
 from api.services import keys
 from api.surrogates import LoneSurrogateMiddleware
@@ -54,6 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_file_bytes=settings.max_file_bytes)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(webhooks.router)
     app.include_router(message_batches.router)
     app.include_router(models.router)
     app.include_router(admin.router)

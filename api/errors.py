@@ -58,6 +58,14 @@ class Conflict(ApiError):
     code = "invalid_state"
 
 
+class UnprocessableContent(ApiError):
+    """422: the request is well-formed but cannot be processed as sent (an Idempotency-Key
+    reused with another body, as the IETF idempotency-key draft answers)."""
+
+    status_code = 422
+    code = "unprocessable_content"
+
+
 class PayloadTooLarge(ApiError):
     status_code = 413
     code = "file_too_large"
@@ -70,7 +78,7 @@ _STATUS_DESCRIPTIONS = {
     404: "No such object (also for another tenant's id).",
     409: "The object's state does not allow this (e.g. cancelling a finished batch).",
     413: "The request body is larger than the limit.",
-    422: "The request body is not valid JSON.",
+    422: "The request body is not valid JSON, or its Idempotency-Key was used with another body.",
 }
 
 

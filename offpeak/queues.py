@@ -20,6 +20,7 @@ VALIDATE_TASK = "offpeak.validate_batch"
 DRAIN_TASK = "offpeak.drain_model"
 FINALIZE_TASK = "offpeak.finalize_batch"
 SWEEP_TASK = "offpeak.sweep"
+WEBHOOKS_TASK = "offpeak.deliver_webhooks"
 
 
 def control_queue(settings: Settings) -> str:
@@ -105,3 +106,7 @@ def finalize_key(batch_id: str) -> str:
 
 def drain_key(model: str) -> str:
     return f"drain:{model}"
+
+
+#: One queued webhook delivery run at a time: a run sends every delivery that is due.
+WEBHOOKS_KEY = "webhooks"

@@ -61,6 +61,10 @@ class BlobStore:
     def exists(self, key: str) -> bool:
         return bool(self.fs.exists(self._path(key)))
 
+    def size(self, key: str) -> int:
+        """The stored bytes of ``key``; raises ``FileNotFoundError`` for a missing key."""
+        return int(self.fs.size(self._path(key)))
+
 
 @lru_cache(maxsize=4)
 def get_blob_store(url: str) -> BlobStore:

@@ -19,6 +19,8 @@ from offpeak.queues import (
     FINALIZE_TASK,
     MAX_WAIT_SECONDS,
     VALIDATE_TASK,
+    WEBHOOKS_KEY,
+    WEBHOOKS_TASK,
     celery_for,
     control_queue,
     drain_key,
@@ -128,3 +130,10 @@ def send_drain(settings: Settings, model: str) -> None:
     """
     messages = {drain_key(model): [model]}
     _send_once(settings, DRAIN_TASK, model_queue(settings, model), messages)
+
+
+def send_deliver_webhooks(settings: Settings) -> None:
+    """Queue a webhook delivery run (control queue) unless one is already queued: the outbox's
+    due deliveries are sent by it (``workers.webhooks.deliver_due``)."""
+    messages: dict[str, list[str]] = {WEBHOOKS_KEY: []}
+    _send_once(settings, WEBHOOKS_TASK, control_queue(settings), messages)

@@ -4,23 +4,33 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 
 from api.deps import CurrentTenant, SessionDep, SettingsDep
 from api.errors import error_responses
 from api.schemas import BatchList, BatchObject, CreateBatch
 from api.services import batches as batches_service
 from api.services import usage as usage_service
+from api.services.idempotency import IdempotencyDep
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
 
-@router.post("", response_model=BatchObject, responses=error_responses(400, 401, 404, 413, 422))
+@router.post(
+    "", response_model=BatchObject, responses=error_responses(400, 401, 404, 409, 413, 422)
+)
 def create_batch(
-    body: CreateBatch, session: SessionDep, settings: SettingsDep, tenant: CurrentTenant
-) -> BatchObject:
-    batch = batches_service.create(session, settings, tenant.id, body)
-    return BatchObject.of(batch, usage_service.bill_of(session, settings, batch))
+    body: CreateBatch,
+    session: SessionDep,
+    settings: SettingsDep,
+    tenant: CurrentTenant,
+    idempotency: IdempotencyDep,
+) -> Response:
+    def produce() -> BatchObject:
+        batch = batches_service.create(session, settings, tenant.id, body)
+        return BatchObject.of(batch, usage_service.bill_of(session, settings, batch))
+
+    return idempotency.run(session, body.model_dump(mode="json"), produce)
 
 
 @router.get("", response_model=BatchList, responses=error_responses(400, 401))

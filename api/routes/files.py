@@ -4,43 +4,55 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Form, Query, UploadFile
+from fastapi import APIRouter, Form, Query, Response, UploadFile
 from fastapi.responses import StreamingResponse
 
 from api.deps import BlobsDep, CurrentTenant, SessionDep, SettingsDep
 from api.errors import BadRequest, error_responses
 from api.schemas import FileDeleted, FileList, FileObject
 from api.services import files as files_service
+from api.services.idempotency import IdempotencyDep
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
 
-@router.post("", response_model=FileObject, responses=error_responses(400, 401, 413))
+@router.post("", response_model=FileObject, responses=error_responses(400, 401, 409, 413, 422))
 def upload_file(
     session: SessionDep,
     blobs: BlobsDep,
     settings: SettingsDep,
     tenant: CurrentTenant,
+    idempotency: IdempotencyDep,
     file: UploadFile,
     purpose: Annotated[str, Form(json_schema_extra={"enum": list(files_service.UPLOAD_PURPOSES)})],
     expires_after_anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
     expires_after_seconds: Annotated[int | None, Form(alias="expires_after[seconds]")] = None,
-) -> FileObject:
+) -> Response:
     if expires_after_anchor not in (None, "created_at"):
         raise BadRequest(
             "expires_after[anchor] must be 'created_at'.", param="expires_after.anchor"
         )
-    stored = files_service.upload(
-        session,
-        blobs,
-        settings,
-        tenant_id=tenant.id,
-        stream=file.file,
-        filename=file.filename or "upload.jsonl",
-        purpose=purpose,
-        expires_after_seconds=expires_after_seconds,
-    )
-    return FileObject.of(stored)
+    filename = file.filename or "upload.jsonl"
+
+    def produce() -> FileObject:
+        stored = files_service.upload(
+            session,
+            blobs,
+            settings,
+            tenant_id=tenant.id,
+            stream=file.file,
+            filename=filename,
+            purpose=purpose,
+            expires_after_seconds=expires_after_seconds,
+        )
+        return FileObject.of(stored)
+
+    material: dict[str, object] = {}
+    if idempotency.key is not None:  # hashing the bytes costs a read of the spooled upload
+        material = files_service.upload_fingerprint(
+            file.file, filename, purpose, expires_after_anchor, expires_after_seconds
+        )
+    return idempotency.run(session, material, produce)
 
 
 @router.get("", response_model=FileList, responses=error_responses(400, 401))

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, Conflict, NotFound
 from api.schemas import CreateBatch
+from api.services import files as files_service
 from offpeak import endpoints
 from offpeak.endpoints import anthropic_messages
 from offpeak.ids import new_id, now
@@ -45,6 +46,26 @@ def _check_metadata(metadata: dict[str, Any] | None) -> dict[str, str] | None:
     return dict(metadata)
 
 
+def _output_expiry_seconds(policy: dict[str, Any] | None) -> int | None:
+    """``output_expires_after`` → seconds after their creation the output and error files
+    expire (OpenAI's shape ``{"anchor": "created_at", "seconds": 3600…2592000}``)."""
+    if policy is None:
+        return None
+    if policy.get("anchor") != "created_at":
+        raise BadRequest(
+            "output_expires_after.anchor must be 'created_at'.", param="output_expires_after.anchor"
+        )
+    seconds = policy.get("seconds")
+    low, high = files_service.MIN_EXPIRY_SECONDS, files_service.MAX_EXPIRY_SECONDS
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or not low <= seconds <= high:
+        raise BadRequest(
+            f"output_expires_after.seconds must be an integer between {low} (1 hour) and "
+            f"{high} (30 days).",
+            param="output_expires_after.seconds",
+        )
+    return seconds
+
+
 def create(session: Session, settings: Settings, tenant_id: str, request: CreateBatch) -> Batch:
     """Record a batch in ``validating`` and queue its validation.
 
@@ -70,6 +91,7 @@ def create(session: Session, settings: Settings, tenant_id: str, request: Create
             param="completion_window",
         )
     metadata = _check_metadata(request.metadata)
+    output_expires_after = _output_expiry_seconds(request.output_expires_after)
     file = files_repo.get(session, tenant_id, request.input_file_id)
     if file is None:
         raise NotFound(f"No such File object: {request.input_file_id}", param="input_file_id")
@@ -98,6 +120,7 @@ def create(session: Session, settings: Settings, tenant_id: str, request: Create
             input_tokens=0,
             cached_tokens=0,
             output_tokens=0,
+            output_expires_after=output_expires_after,
         ),
     )
     send = partial(task_messages.send_validate, settings, batch.id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import hashlib
 from collections.abc import Iterator
 from typing import IO
 
@@ -114,6 +115,28 @@ def upload(
     except BaseException:
         blobs.delete(key)
         raise
+
+
+def upload_fingerprint(
+    stream: IO[bytes],
+    filename: str,
+    purpose: str,
+    expires_after_anchor: str | None,
+    expires_after_seconds: int | None,
+) -> dict[str, object]:
+    """What identifies an upload for ``Idempotency-Key``: its form fields and the SHA-256 of
+    the file's bytes (not the raw multipart body, whose boundary a retrying client draws
+    anew). Reads ``stream`` in 1 MiB pieces and rewinds it."""
+    digest = hashlib.sha256()
+    while chunk := stream.read(CHUNK_BYTES):
+        digest.update(chunk)
+    stream.seek(0)
+    return {
+        "filename": filename,
+        "purpose": purpose,
+        "expires_after": [expires_after_anchor, expires_after_seconds],
+        "sha256": digest.hexdigest(),
+    }
 
 
 def get(session: Session, tenant_id: str, file_id: str) -> File:

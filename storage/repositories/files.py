@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, or_, select
 from sqlalchemy.orm import Session
 
+from offpeak.ids import now
 from storage.models import File
 
 
@@ -16,10 +17,21 @@ def add(session: Session, file: File) -> File:
     return file
 
 
+def _unexpired(at: int) -> ColumnElement[bool]:
+    """Not past ``expires_at``: an expired file is gone for its tenant at once, before the
+    retention sweep deletes its bytes and row."""
+    return or_(File.expires_at.is_(None), File.expires_at > at)
+
+
 def get(session: Session, tenant_id: str, file_id: str) -> File | None:
-    """A live file of this tenant; another tenant's or a deleted file is ``None``."""
+    """A live file of this tenant; another tenant's, a deleted or an expired file is ``None``."""
     return session.scalar(
-        select(File).where(File.id == file_id, File.tenant_id == tenant_id, File.deleted.is_(False))
+        select(File).where(
+            File.id == file_id,
+            File.tenant_id == tenant_id,
+            File.deleted.is_(False),
+            _unexpired(now()),
+        )
     )
 
 
@@ -45,7 +57,9 @@ def page(
 ) -> Sequence[File]:
     """Up to ``limit + 1`` files after the cursor ``after`` (ids sort by creation time), so the
     caller can tell whether there are more."""
-    query = select(File).where(File.tenant_id == tenant_id, File.deleted.is_(False))
+    query = select(File).where(
+        File.tenant_id == tenant_id, File.deleted.is_(False), _unexpired(now())
+    )
     if purpose:
         query = query.where(File.purpose == purpose)
     if after:

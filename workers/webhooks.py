@@ -1,0 +1,137 @@
+"""Webhook delivery from the transactional outbox.
+
+``record_final`` runs inside the transaction that sets a batch's final status (finalize,
+validation), so the event exists exactly when the status does: no HTTP call there, and nothing
+lost when a worker dies after the commit. ``deliver_due`` (the ``deliver_webhooks`` task, sent
+after that commit and by the sweep while deliveries are due) leases due deliveries, commits,
+then posts each with httpx outside any transaction, and logs the attempt. A failed attempt is
+retried with exponential backoff (``offpeak.webhooks.retry_delay``) until
+``webhook_retry_hours`` after the event; delivery is at least once (a worker killed between the
+POST and the log sends again once the lease runs out), and ``webhook-id`` lets the receiver drop
+duplicates.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import partial
+
+from sqlalchemy.orm import Session
+
+from offpeak import webhooks
+from offpeak.ids import new_id, now
+from offpeak.settings import Settings
+from storage import task_messages
+from storage.db import after_commit, session_scope
+from storage.models import Batch
+from storage.repositories import webhooks as webhooks_repo
+
+log = logging.getLogger(__name__)
+
+#: Deliveries one claim takes; the task claims again until none is due.
+CLAIM_SIZE = 20
+
+
+def record_final(session: Session, settings: Settings, batch: Batch) -> None:
+    """Write the event of ``batch``'s final status to the outbox, with a pending delivery per
+    endpoint of the tenant subscribed to it, in the caller's transaction (the one that sets the
+    status), and send the delivery task once it commits. A batch that already has the event
+    (finalize running again) gets no second one: ``dedupe_key`` is unique."""
+    event_type = webhooks.EVENT_OF_STATUS.get(batch.status)  # type: ignore[call-overload]
+    if event_type is None:
+        return
+    endpoint_ids = webhooks_repo.subscribed_endpoint_ids(session, batch.tenant_id, event_type)
+    if not endpoint_ids:
+        return
+    event_id, created, at = new_id("evt_"), now(), time.time()
+    added = webhooks_repo.add_event(
+        session,
+        tenant_id=batch.tenant_id,
+        event_id=event_id,
+        event_type=event_type,
+        object_id=batch.id,
+        body=webhooks.event_body(event_id, event_type, created, batch.id),
+        created_at=created,
+        dedupe_key=f"{event_type}:{batch.id}",
+        endpoint_ids=endpoint_ids,
+        at=at,
+        give_up_at=at + settings.webhook_retry_hours * 3600,
+    )
+    if added:
+        send = partial(task_messages.send_deliver_webhooks, settings)
+        after_commit(session, send, f"sending deliver_webhooks for {event_id}")
+
+
+def attempt(settings: Settings, due: webhooks_repo.DueDelivery) -> webhooks.Attempt:
+    """One signed POST of a leased delivery, after checking its target again (a name may
+    resolve to a private address by now): a refused target is a failed attempt."""
+    try:
+        webhooks.check_target(
+            due.url,
+            allow_http=settings.webhook_allow_http,
+            allow_private=settings.webhook_allow_private_targets,
+        )
+    except webhooks.TargetRefused as refused:
+        return webhooks.Attempt(None, 0.0, f"target refused: {refused}")
+    headers = webhooks.signed_headers(due.event_id, due.body, due.signing_secrets, time.time())
+    return webhooks.post(due.url, due.body, headers, settings.webhook_timeout_seconds)
+
+
+def deliver_due(settings: Settings, *, max_rounds: int = 50) -> int:
+    """Send every delivery due now, ``CLAIM_SIZE`` at a time; returns the attempts made.
+
+    The lease on a claimed delivery is the attempt's timeout plus a margin, so a delivery whose
+    worker died is due again soon after. ``max_rounds`` bounds one call (the sweep sends the
+    task again while deliveries are due).
+    """
+    url = settings.resolved_database_url
+    lease = settings.webhook_timeout_seconds + 30
+    made = 0
+    for _ in range(max_rounds):
+        with session_scope(url) as session:
+            claimed = webhooks_repo.claim_due(
+                session, at=time.time(), limit=CLAIM_SIZE, lease_seconds=lease
+            )
+        if not claimed:
+            break
+        for due in claimed:
+            result = attempt(settings, due)
+            at = time.time()
+            next_at: float | None = None
+            if not result.delivered:
+                delay = webhooks.retry_delay(
+                    due.attempt,
+                    settings.webhook_retry_base_seconds,
+                    settings.webhook_retry_max_seconds,
+                )
+                next_at = at + delay if at + delay <= due.give_up_at else None
+            with session_scope(url) as session:
+                webhooks_repo.record_attempt(
+                    session,
+                    due.delivery_id,
+                    attempt=due.attempt,
+                    at=at,
+                    status_code=result.status_code,
+                    latency_seconds=result.latency_seconds,
+                    error=result.error,
+                    delivered=result.delivered,
+                    next_attempt_at=next_at,
+                )
+            made += 1
+            if not result.delivered:
+                log.info(
+                    "webhook %s attempt %d to %s: %s %s; %s",
+                    due.event_id,
+                    due.attempt,
+                    due.url,
+                    result.status_code,
+                    result.error or "",
+                    "retry later" if next_at else "giving up",
+                )
+    return made
+
+
+def any_due(settings: Settings) -> bool:
+    with session_scope(settings.resolved_database_url) as session:
+        return webhooks_repo.any_due(session, time.time())
