@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import openai
 import pytest
@@ -16,6 +17,7 @@ from openai import OpenAI
 from sqlalchemy import func, select, update
 
 from offpeak import webhooks
+from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import ModelConfig, Settings
 from storage import task_messages
 from storage.blobs import get_blob_store
@@ -23,11 +25,13 @@ from storage.db import session_scope
 from storage.models import Batch, QueuedMessage, WebhookDelivery, WebhookEvent
 from storage.repositories import webhooks as webhooks_repo
 from tests.accounting_helpers import AcctTenant, end, make, run
-from tests.helpers import validate
+from tests.conftest import free_port, wait_for_end
+from tests.helpers import line, validate
 from workers import webhooks as worker_webhooks
 from workers.finalize import finalize
 
 MODEL = "webhook-model"
+SMOL = "SmolLM2-135M-Instruct"
 ALL = list(webhooks.EVENT_TYPES)
 
 
@@ -372,3 +376,59 @@ def test_send_deliver_webhooks_queues_one_message(settings: Settings) -> None:
     task_messages.send_deliver_webhooks(settings)
     with session_scope(settings.resolved_database_url) as session:
         assert session.scalar(select(func.count()).where(QueuedMessage.key == "webhooks")) == 1
+
+
+def test_the_workers_deliver_through_celery_on_the_embedded_stack(tmp_path: Path) -> None:
+    """The whole path on real processes (``offpeak up``'s API and workers, SQLite and the
+    filesystem broker, the instant engine): the batch's finalize task writes the outbox, the
+    ``deliver_webhooks`` task posts it; a receiver answering 500 twice is retried by the sweep
+    until it takes the event; the idempotent create runs on SQLite too."""
+    receiver = Receiver(script=[500, 500])
+    env = {
+        "OFFPEAK_DATA_DIR": str(tmp_path / "data"),
+        "OFFPEAK_LOCAL_API_KEY": "sk-webhooks-test",
+        "OFFPEAK_MODELS": '{"SmolLM2-135M-Instruct": {"engine": "instant"}}',
+        "OFFPEAK_WEBHOOK_ALLOW_PRIVATE_TARGETS": "true",
+        "OFFPEAK_WEBHOOK_ALLOW_HTTP": "true",
+        "OFFPEAK_WEBHOOK_RETRY_BASE_SECONDS": "0.2",
+        "OFFPEAK_SWEEP_SECONDS": "1",
+    }
+    stack = ServiceProcesses(env, free_port(), tmp_path / "logs")
+    for key in list(stack.env):  # the embedded defaults: no database or broker of the session
+        if key.startswith("OFFPEAK_") and key not in (*env, "OFFPEAK_MODEL_CACHE_DIR"):
+            del stack.env[key]
+    stack.start()
+    try:
+        stack.wait_http()
+        client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="sk-webhooks-test")
+        endpoint = client.webhooks.create(name="e2e", url=receiver.url, event_types=ALL)
+        file = client.files.create(
+            file=("in.jsonl", line("a", model=SMOL) + b"\n" + line("b", model=SMOL)),
+            purpose="batch",
+        )
+        key = {"Idempotency-Key": "e2e-create"}
+        batch = client.batches.create(
+            input_file_id=file.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            extra_headers=key,
+        )
+        again = client.batches.create(
+            input_file_id=file.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            extra_headers=key,
+        )
+        assert again.id == batch.id and len(client.batches.list().data) == 1
+        assert wait_for_end(client, batch.id, stack, timeout=120).status == "completed"
+        deadline = time.monotonic() + 60
+        while not any(status == 200 for *_, status in receiver.requests):
+            assert time.monotonic() < deadline, stack.tail("control")
+            time.sleep(0.2)
+    finally:
+        stack.stop()
+        receiver.close()
+    assert [status for *_, status in receiver.requests] == [500, 500, 200]
+    headers, body, _ = receiver.requests[-1]
+    event = client.webhooks.unwrap(body, headers, secret=endpoint.signing_secret)
+    assert (event.type, event.data.id) == ("batch.completed", batch.id)
