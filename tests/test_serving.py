@@ -386,7 +386,7 @@ def test_unknown_and_unset_parameters_are_accepted(body: dict[str, Any]) -> None
 
 
 def test_an_unserved_url_is_refused_not_run_as_completions() -> None:
-    """An embeddings line once fell into the completions path; now the registry refuses it."""
+    """An unserved url (an embeddings line once fell into the completions path) is refused."""
     with pytest.raises(LineError) as info:
-        prepare("1", "/v1/embeddings", {"model": "m", "input": "x", "prompt": "x"}, ENGINE)
+        prepare("1", "/v1/moderations", {"model": "m", "input": "x", "prompt": "x"}, ENGINE)
     assert (info.value.param, info.value.code) == ("url", "invalid_url")

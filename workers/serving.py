@@ -13,6 +13,7 @@ from typing import Any
 
 from offpeak import endpoints
 from offpeak.endpoints import LineError
+from offpeak.endpoints.embeddings import encode_vector
 from offpeak.endpoints.records import Answer, CompletionRecord, TokenLogprob, new_line_ids
 from offpeak.ids import new_id
 from workers.engine.base import Completion, Engine, EngineRequest, EngineResult
@@ -45,7 +46,11 @@ def prepare(
     served = endpoints.get(endpoint)
     engine_input = served.prepare(body, engine)
     request = EngineRequest(
-        request_id, engine_input.prompt_token_ids, engine_input.sampling, priority
+        request_id,
+        engine_input.prompt_token_ids,
+        engine_input.sampling,
+        priority,
+        pooling=engine_input.pooling,
     )
     return Prepared(
         request, endpoint, body["model"], served.engine_needs(engine_input), engine_input.echo
@@ -66,6 +71,9 @@ def answer(prepared: Prepared, result: EngineResult, created: int) -> Answer:
         cached_tokens=result.cached_tokens,
         completions=[_completion(c) for c in result.completions],
         echo=prepared.echo,
+        embeddings=(
+            None if result.embeddings is None else [encode_vector(v) for v in result.embeddings]
+        ),
     )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from api.errors import BadRequest, Conflict, NotFound
+from api.errors import BadRequest, Conflict, NotFound, unknown_cursor
 from api.schemas import CreateBatch
 from api.services import files as files_service
 from offpeak import endpoints
@@ -66,24 +66,30 @@ def _output_expiry_seconds(policy: dict[str, Any] | None) -> int | None:
     return seconds
 
 
+def _refuse_endpoint(endpoint: str) -> None:
+    """The 400 of a batch ``endpoint`` not served here: one code (``invalid_value``) for every
+    such url, whether OpenAI's Batch API accepts it (``/v1/moderations``, images, videos) or
+    not, so a client handles them alike; the message names the served values."""
+    served = ", ".join(endpoints.BATCH_ENDPOINTS)
+    known = endpoint in endpoints.UNSERVED_BATCH_ENDPOINTS
+    raise BadRequest(
+        f"Invalid 'endpoint': {endpoint!r} is "
+        + ("an OpenAI batch endpoint this server does not serve" if known else "not supported")
+        + f"; supported values are {served}.",
+        param="endpoint",
+        code="invalid_value",
+    )
+
+
 def create(session: Session, settings: Settings, tenant_id: str, request: CreateBatch) -> Batch:
     """Record a batch in ``validating`` and queue its validation.
 
     Raises ``NotFound`` (input file), ``BadRequest`` (endpoint, window, metadata, purpose).
     """
-    served = ", ".join(endpoints.BATCH_ENDPOINTS)
-    if request.endpoint in endpoints.UNSERVED_BATCH_ENDPOINTS:
-        raise BadRequest(
-            f"The endpoint {request.endpoint} is not served by this server; use one of {served}.",
-            param="endpoint",
-            code="unsupported_endpoint",
-        )
     target = endpoints.ENDPOINTS.get(request.endpoint)
     # Anthropic's /v1/messages lines come only through the Message Batches API.
     if target is None or target.surface != "openai":
-        raise BadRequest(
-            f"Invalid endpoint {request.endpoint!r}: use one of {served}.", param="endpoint"
-        )
+        _refuse_endpoint(request.endpoint)
     if request.completion_window not in settings.allowed_completion_windows:
         raise BadRequest(
             f"Invalid completion_window {request.completion_window!r}: allowed values are "
@@ -141,8 +147,12 @@ def get(session: Session, tenant_id: str, batch_id: str) -> Batch:
 def page(
     session: Session, tenant_id: str, *, after: str | None, limit: int
 ) -> tuple[list[Batch], bool]:
+    """A page of batches, newest first, and whether more follow. Raises ``BadRequest`` for a
+    bad ``limit`` and an ``after`` that names none of the tenant's batches (``unknown_cursor``)."""
     if not 1 <= limit <= 100:
         raise BadRequest("limit must be between 1 and 100.", param="limit")
+    if after and batches_repo.get(session, tenant_id, after) is None:
+        raise unknown_cursor("batch", after)
     rows = list(
         batches_repo.page(
             session, tenant_id, after=after, limit=limit, exclude_endpoint=anthropic_messages.URL

@@ -1,4 +1,4 @@
-"""``offpeak bench e2e|intake|control|memory``: the benchmarks of ``bench/`` (see
+"""``offpeak bench e2e|intake|control|memory|embeddings``: the benchmarks of ``bench/`` (see
 ``docs/benchmarks.md``). Each prints a table and writes ``bench/results/<name>.json``.
 
 They need PostgreSQL and Redis (``OFFPEAK_BENCH_PG``, ``OFFPEAK_BENCH_REDIS``; a scratch database
@@ -78,6 +78,22 @@ def memory(
     from bench import memory as module
 
     module.run(small, large, out)
+
+
+@bench_app.command("embeddings")
+def embeddings(
+    inputs: Annotated[
+        int, typer.Option(help="Inputs (one per line) for the side by side.")
+    ] = 10_000,
+    small: Annotated[int, typer.Option(help="Inputs in the small memory batch.")] = 5_000,
+    large: Annotated[int, typer.Option(help="Inputs in the large memory batch.")] = 50_000,
+    memory: Annotated[bool, typer.Option(help="Also measure peak RSS at both sizes.")] = True,
+    out: OutDir = None,
+) -> None:
+    """all-MiniLM-L6-v2: Offpeak end to end against sentence-transformers' encode; peak RSS."""
+    from bench import embeddings as module
+
+    module.run(inputs, small, large, memory, out)
 
 
 @bench_app.command("plot")

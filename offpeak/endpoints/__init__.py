@@ -1,8 +1,9 @@
 """The batch endpoints, one module each, and the registry everything asks (``ENDPOINTS``).
 
-Each module (``chat_completions``, ``completions``, ``responses`` …) holds its endpoint's request
-body as a pydantic model, how a parsed body becomes engine input, and how a finished line's
-record becomes its output body. Adding an endpoint is one new module and one entry in ``ENDPOINTS``.
+Each module (``chat_completions``, ``completions``, ``responses``, ``embeddings`` …) holds its
+endpoint's request body as a pydantic model, how a parsed body becomes engine input, and how a
+finished line's record becomes its output body. Adding an endpoint is one new module and one
+entry in ``ENDPOINTS``.
 
 Who asks: the API's batch create (which endpoints a batch may target), the file validation
 (which body fields a line must carry), the runner (``workers.serving``: a line's body to an engine
@@ -27,6 +28,7 @@ from offpeak.endpoints.anthropic_messages import AnthropicMessages
 from offpeak.endpoints.base import Endpoint, EngineInput, SamplingSpec, Tokenizer
 from offpeak.endpoints.chat_completions import ChatCompletions
 from offpeak.endpoints.completions import Completions
+from offpeak.endpoints.embeddings import Embeddings
 from offpeak.endpoints.errors import LineError
 from offpeak.endpoints.responses import Responses
 
@@ -46,13 +48,26 @@ __all__ = [
 #: Batch endpoints served here, by url.
 ENDPOINTS: dict[str, Endpoint[Any]] = {
     endpoint.url: endpoint
-    for endpoint in (ChatCompletions(), Completions(), Responses(), AnthropicMessages())
+    for endpoint in (
+        ChatCompletions(),
+        Completions(),
+        Responses(),
+        Embeddings(),
+        AnthropicMessages(),
+    )
 }
 #: The urls an OpenAI batch may target, in the order error messages list them (Anthropic's
 #: ``/v1/messages`` lines come only through the Message Batches API).
 BATCH_ENDPOINTS = tuple(url for url, endpoint in ENDPOINTS.items() if endpoint.surface == "openai")
-#: Endpoints OpenAI accepts for batches that this server does not run (yet): a clear 400.
-UNSERVED_BATCH_ENDPOINTS = ("/v1/embeddings",)
+#: Endpoints OpenAI's Batch API accepts that this server does not run (OpenAI's API reference,
+#: Batch, ``endpoint``). Batch create answers these, like any other url it does not serve, with
+#: a 400 ``invalid_value`` naming ``BATCH_ENDPOINTS``.
+UNSERVED_BATCH_ENDPOINTS = (
+    "/v1/moderations",
+    "/v1/images/generations",
+    "/v1/images/edits",
+    "/v1/videos",
+)
 
 
 def get(url: str) -> Endpoint[Any]:

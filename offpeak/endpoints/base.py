@@ -25,7 +25,11 @@ if TYPE_CHECKING:
 
 
 class Tokenizer(Protocol):
-    """What an endpoint needs of an engine to turn a body into engine input."""
+    """What an endpoint needs of an engine to turn a body into engine input.
+
+    An embedding engine (``workers.engine.vllm_pooling``) also has ``embedding_size`` (its
+    vectors' length) and ``matryoshka_dimensions``, which ``offpeak.endpoints.embeddings`` reads
+    where present; text-generation engines have neither."""
 
     #: Context window in tokens (prompt + completion).
     max_model_len: int

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 # One definition of sampling for both sides: endpoints (in the core) build it, engines take it.
-from offpeak.endpoints.base import SamplingSpec, StructuredOutput
+from offpeak.endpoints.base import PoolingSpec, SamplingSpec, StructuredOutput
 
 __all__ = [
     "Completion",
@@ -19,6 +19,7 @@ __all__ = [
     "EngineFault",
     "EngineRequest",
     "EngineResult",
+    "PoolingSpec",
     "RequestRefused",
     "SamplingSpec",
     "StructuredOutput",
@@ -34,6 +35,9 @@ class EngineRequest:
     sampling: SamplingSpec
     #: Lower runs first (vLLM's priority scheduling convention).
     priority: int = 0
+    #: An embeddings line: pool each input instead of generating (an embedding engine only;
+    #: ``prompt_token_ids`` is then the first input).
+    pooling: PoolingSpec | None = None
 
 
 @dataclass
@@ -69,6 +73,9 @@ class EngineResult:
     #: Prompt tokens served from the prefix cache instead of prefilled again.
     cached_tokens: int
     completions: list[Completion]
+    #: A pooling request's vectors, one per input in order, each little-endian float32 bytes
+    #: (``prompt_tokens`` is then the sum over the inputs); ``None`` for generation.
+    embeddings: list[bytes] | None = None
 
 
 class RequestRefused(ValueError):

@@ -29,6 +29,13 @@ def load(settings: Settings, name: str) -> Engine:
         from workers.engine.instant import InstantEngine
 
         engine = InstantEngine(name, config.max_model_len)
+    elif config.runner == "pooling":
+        from workers.engine.vllm_pooling import VllmPoolingEngine
+        from workers.model_store import ensure_model
+
+        # An embedding model: small (all-MiniLM-L6-v2, 90 MB) and quick to load, never released.
+        path = ensure_model(name, config, settings.model_cache_dir)
+        engine = VllmPoolingEngine.load(name, config, path)
     else:
         from workers.engine.vllm_engine import VllmEngine
         from workers.model_store import ensure_model

@@ -161,6 +161,10 @@ def releasable(settings: Settings, engine: Engine, load_seconds: float) -> Engin
     config = settings.models.get(engine.model_name)
     if not settings.scheduler.release_after_seconds or config is None or config.engine != "vllm":
         return engine
+    if config.runner == "pooling":
+        # An embedding engine (all-MiniLM-L6-v2: ~0.2 GiB) holds too little to be worth
+        # releasing, and has no sleep mode; it stays loaded.
+        return engine
     return ReleasableEngine(settings, engine, load_seconds)
 
 

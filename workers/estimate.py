@@ -1,0 +1,233 @@
+"""A batch's cost estimate before it runs: its prompt tokens counted with the model's own
+tokenizer and the price range they imply, from the prompts alone (every line stops at once) to
+the prompts plus every line's whole completion budget (``max_tokens`` × ``n``, or what the
+context window leaves when a line sets none).
+
+Validation (``workers.validation``, in the control worker) puts it on the batch (the API shows
+it as the batch's ``estimate``); ``offpeak estimate FILE`` computes the same thing on the
+user's machine without a server. The tokenizer is the model's own: Hugging Face's
+``AutoTokenizer`` on the folder ``workers.model_store.ensure_model`` builds, used exactly as the
+vLLM engine uses it (``ModelTokenizer``), so the estimate's prompt tokens are the tokens the
+batch will be billed for. An ``instant`` model counts as its engine does (UTF-8 bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from offpeak import endpoints, pricing
+from offpeak.endpoints.base import Tokenizer
+from offpeak.endpoints.errors import LineError
+from offpeak.settings import ModelConfig, Settings
+
+log = logging.getLogger(__name__)
+
+
+class ModelTokenizer:
+    """``offpeak.endpoints.base.Tokenizer`` on a model's Hugging Face tokenizer, with the vLLM
+    engine's rules (``workers.engine.vllm_engine.VllmEngine.encode_chat``): the chat template
+    rendered as text, encoded without the tokenizer's own specials, and its BOS put in front
+    only when it adds one to plain text and the template did not write it."""
+
+    def __init__(
+        self, tokenizer: Any, max_model_len: int, embedding_size: int | None = None
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        #: An embedding model's vector size (``offpeak.endpoints.embeddings`` reads it, as it
+        #: reads the pooling engine's); ``None`` for a text model.
+        self.embedding_size = embedding_size
+        self._bos_id: int | None = tokenizer.bos_token_id
+        probe = tokenizer.encode("a")
+        self._adds_bos = self._bos_id is not None and bool(probe) and probe[0] == self._bos_id
+        self._lock = threading.Lock()  # HF fast tokenizers are not safe across threads
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        from workers.engine.vllm_engine import _flatten_message
+
+        try:
+            with self._lock:
+                rendered = self._tokenizer.apply_chat_template(
+                    [_flatten_message(m) for m in messages],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
+        except ValueError:
+            raise
+        except Exception as exc:  # jinja2 errors, KeyError/TypeError from odd messages
+            raise ValueError(f"chat template cannot render these messages: {exc}") from exc
+        if not isinstance(rendered, str):
+            raise ValueError("chat template did not render to text")
+        with self._lock:
+            ids = list(self._tokenizer.encode(rendered, add_special_tokens=False))
+        if self._adds_bos and self._bos_id is not None and (not ids or ids[0] != self._bos_id):
+            ids.insert(0, self._bos_id)
+        return ids
+
+    def encode_text(self, text: str) -> list[int]:
+        with self._lock:
+            return list(self._tokenizer.encode(text))
+
+
+@lru_cache(maxsize=8)
+def _load(name: str, config_json: str, cache_dir: str) -> Tokenizer:
+    config = ModelConfig.model_validate_json(config_json)
+    if config.engine == "instant":
+        from workers.engine.instant import InstantEngine
+
+        return InstantEngine(name, config.max_model_len)
+    from transformers import AutoTokenizer
+
+    from workers.model_store import ensure_model
+
+    folder = ensure_model(name, config, Path(cache_dir))
+    size = None
+    if config.runner == "pooling":
+        size = int(orjson.loads((folder / "config.json").read_bytes())["hidden_size"])
+    return ModelTokenizer(AutoTokenizer.from_pretrained(str(folder)), config.max_model_len, size)
+
+
+def tokenizer_for(settings: Settings, model: str) -> Tokenizer:
+    """The served model's own tokenizer, loaded once per process and configuration (a second
+    or two for SmolLM2). Raises ``KeyError`` for a model that is not configured and whatever
+    loading its folder raises (``workers.model_store.ModelUnavailableError``)."""
+    config = settings.models[model]
+    return _load(model, config.model_dump_json(), str(settings.model_cache_dir))
+
+
+@dataclass
+class Estimate:
+    """Running sums over a batch's lines; ``as_json`` is the batch's ``estimate`` field."""
+
+    model: str
+    requests: int = 0
+    #: Lines the endpoint would refuse (over the context window, a bad parameter): they fail
+    #: alone with a 400 and are billed nothing, so they are left out of the sums.
+    invalid_requests: int = 0
+    prompt_tokens: int = 0
+    max_completion_tokens: int = 0
+
+    def add(self, line: bytes | dict[str, Any], tokenizer: Tokenizer, endpoint: str) -> None:
+        """Count one request line (its JSON, or parsed) of a batch on ``endpoint``."""
+        served = endpoints.ENDPOINTS.get(endpoint)
+        parsed = orjson.loads(line) if isinstance(line, bytes | str) else line
+        body = parsed.get("body") if isinstance(parsed, dict) else None
+        if served is None or not isinstance(body, dict):
+            self.invalid_requests += 1
+            return
+        try:
+            engine_input = served.prepare(body, tokenizer)
+        except (LineError, ValueError):
+            self.invalid_requests += 1
+            return
+        self.requests += 1
+        # A prompt is billed once per line, each of its ``n`` completions up to its budget;
+        # an embeddings line's every input is.
+        pooling = engine_input.pooling
+        self.prompt_tokens += (
+            sum(len(ids) for ids in pooling.inputs)
+            if pooling is not None
+            else len(engine_input.prompt_token_ids)
+        )
+        self.max_completion_tokens += sum(new for _p, new in served.engine_needs(engine_input))
+
+    def as_json(self, settings: Settings) -> dict[str, Any]:
+        """``{prompt_tokens, max_completion_tokens, price_low, price_high, requests,
+        invalid_requests}``; prices in US dollars at the batch price (real-time list price ×
+        (1 − batch discount), ``offpeak.pricing``), before any prefix-cache discount."""
+        discount = 1 - pricing.batch_discount(settings, self.model)
+
+        def price(output_tokens: int) -> float:
+            listed = pricing.realtime_price(
+                settings, self.model, self.prompt_tokens, 0, output_tokens
+            )
+            return round(listed * discount, pricing.MONEY_DIGITS)
+
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "max_completion_tokens": self.max_completion_tokens,
+            "price_low": price(0),
+            "price_high": price(self.max_completion_tokens),
+            "requests": self.requests,
+            "invalid_requests": self.invalid_requests,
+        }
+
+
+def estimate_file(settings: Settings, path: Path) -> tuple[dict[str, Any], int]:
+    """The estimate of a JSONL batch file on disk (``offpeak estimate``): ``(estimate, lines
+    that are not request lines)``. The model and endpoint are the first line's; lines of
+    another model or url, or not JSON, are counted as not request lines (validation would
+    fail the batch). Raises ``ValueError`` when no line names a served model."""
+    from workers.validation import iter_lines
+
+    estimate: Estimate | None = None
+    tokenizer: Tokenizer | None = None
+    endpoint = ""
+    unusable = 0
+
+    def chunks() -> Any:
+        with open(path, "rb") as handle:
+            while piece := handle.read(1 << 20):
+                yield piece
+
+    for _number, raw in iter_lines(chunks()):
+        if not raw.strip():
+            continue
+        try:
+            line = orjson.loads(raw)
+            model, url = line["body"]["model"], line["url"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            unusable += 1
+            continue
+        if estimate is None:
+            if model not in settings.models:
+                raise ValueError(
+                    f"the first line's model {model!r} is not configured here; configured: "
+                    f"{', '.join(settings.models)} (OFFPEAK_MODELS)"
+                )
+            estimate, endpoint = Estimate(model), url
+            tokenizer = tokenizer_for(settings, model)
+        if model != estimate.model or url != endpoint:
+            unusable += 1
+            continue
+        assert tokenizer is not None
+        estimate.add(line, tokenizer, endpoint)
+    if estimate is None:
+        raise ValueError("the file holds no request line")
+    return {"model": estimate.model, "endpoint": endpoint, **estimate.as_json(settings)}, unusable
+
+
+class BatchEstimator:
+    """The estimate validation builds line by line (``workers.validation``): the model's
+    tokenizer is loaded at the first line; if it cannot be (no model folder on this host), the
+    batch gets no estimate, with one warning, and validation goes on unharmed."""
+
+    def __init__(self) -> None:
+        self.estimate: Estimate | None = None
+        self._tokenizer: Tokenizer | None = None
+        self._off = False
+
+    def add(self, settings: Settings, model: str, endpoint: str, raw: bytes) -> None:
+        if self._off:
+            return
+        if self.estimate is None:
+            try:
+                self._tokenizer = tokenizer_for(settings, model)
+            except Exception as exc:  # an estimate is advice: never fail validation for it
+                log.warning("no cost estimate for %s batches: %s", model, exc)
+                self._off = True
+                return
+            self.estimate = Estimate(model)
+        assert self._tokenizer is not None
+        self.estimate.add(raw, self._tokenizer, endpoint)
+
+    def as_json(self, settings: Settings) -> dict[str, Any] | None:
+        """The batch's ``estimate``, or ``None`` when none could be made."""
+        return None if self.estimate is None or self._off else self.estimate.as_json(settings)
