@@ -16,7 +16,7 @@ from offpeak.statuses import BatchStatus
 from storage.models import Batch
 
 #: ``processing_status`` of each batch status: Anthropic has three.
-PROCESSING_STATUS = {
+PROCESSING_STATUS: dict[str, Literal["in_progress", "canceling"]] = {
     BatchStatus.VALIDATING: "in_progress",
     BatchStatus.IN_PROGRESS: "in_progress",
     BatchStatus.FINALIZING: "in_progress",
@@ -69,7 +69,7 @@ class MessageBatch(BaseModel):
         ended = ended_at(batch)
         return cls(
             id=batch.id,
-            processing_status=PROCESSING_STATUS.get(batch.status, "ended"),  # type: ignore[arg-type]
+            processing_status=PROCESSING_STATUS.get(batch.status, "ended"),
             request_counts=counts,
             created_at=rfc3339(batch.created_at) or "",
             expires_at=rfc3339(batch.expires_at) or "",

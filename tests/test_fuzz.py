@@ -51,6 +51,10 @@ bearer = "{tenant_key}"
 [auth.openapi.AdminKey]
 bearer = "{admin_key}"
 
+# Anthropic's Message Batches routes take the same key as x-api-key.
+[auth.openapi.XApiKey]
+api_key = "{tenant_key}"
+
 # Every check but "schema-valid data is accepted": a schema cannot say that an input_file_id
 # must name an uploaded file, that a file must be UTF-8 JSONL, that start must precede end, or
 # which completion windows this server's settings allow (those are 400s or 404s by design).
