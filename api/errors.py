@@ -42,6 +42,19 @@ class BadRequest(ApiError):
     status_code = 400
 
 
+def unknown_cursor(kind: str, after: str) -> BadRequest:
+    """The answer to a list's ``after`` that names no object of the caller's: a 400 rather than
+    a page from the top, which a client paging through would take for the next page and loop
+    on (OpenAI's reference does not say what it answers; a 400 is what its other invalid
+    parameters get)."""
+    return BadRequest(
+        f"Invalid 'after': no {kind} with id '{after}' in this list; pass the 'last_id' of a "
+        "page you were given.",
+        param="after",
+        code="invalid_value",
+    )
+
+
 class Unauthorized(ApiError):
     status_code = 401
     type = "invalid_request_error"

@@ -97,6 +97,21 @@ class BatchUsage(BaseModel):
     total_tokens: int
 
 
+class BatchEstimate(BaseModel):
+    """What a batch should cost, known before it runs: its prompt tokens counted with the
+    model's own tokenizer, the most completion tokens its lines allow (``max_tokens`` × ``n``,
+    or the context window's rest), and the batch price from the prompts alone (``price_low``)
+    to the prompts plus every completion budget (``price_high``), in US dollars. Lines the
+    endpoint would refuse (``invalid_requests``: they fail alone, unbilled) are left out."""
+
+    prompt_tokens: int
+    max_completion_tokens: int
+    price_low: float
+    price_high: float
+    requests: int
+    invalid_requests: int
+
+
 class BatchObject(BaseModel):
     id: str
     object: Literal["batch"] = "batch"
@@ -134,6 +149,9 @@ class BatchObject(BaseModel):
     # the estimated completion time (unix seconds) and ``expires_at``; negative means late.
     slack_seconds: float | None = None
     estimated_completion_at: int | None = None
+    # Validation's cost estimate (``workers.estimate``), once validated: ``{prompt_tokens,
+    # max_completion_tokens, price_low, price_high, requests, invalid_requests}``, US dollars.
+    estimate: BatchEstimate | None = None
 
     @classmethod
     def of(cls, batch: Batch, bill: Bill | None = None) -> BatchObject:
@@ -172,6 +190,7 @@ class BatchObject(BaseModel):
             metadata=batch.metadata_,
             **_bill_fields(bill),
             **_schedule_fields(batch),
+            estimate=BatchEstimate(**batch.estimate) if batch.estimate else None,
         )
 
 
@@ -241,6 +260,9 @@ class UsageBucket(BaseModel):
     price: float
     realtime_price: float
     saving: float
+    #: ``cost`` per million ``total_tokens`` (``offpeak.pricing.cost_per_million_tokens``, the
+    #: dashboard's rule); ``None`` without tokens.
+    cost_per_million_tokens: float | None = None
 
 
 class UsageReport(BaseModel):

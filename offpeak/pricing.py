@@ -13,6 +13,7 @@ tokens would cost at the real-time list price. Pure arithmetic on settings, used
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -20,7 +21,38 @@ from offpeak.settings import ModelPricing, Settings
 
 #: Digits kept for dollar amounts (the ledger stores 10).
 MONEY_DIGITS = 10
+#: Significant digits shown for an amount under one dollar (``format_usd``).
+SHOWN_DIGITS = 3
 _NO_PRICES = ModelPricing()
+
+
+def cost_per_million_tokens(cost: float, tokens: int) -> float | None:
+    """Dollars per million (prompt + completion) tokens; ``None`` before any token. The one
+    rule behind every "cost / 1M tokens" figure (a batch's, ``GET /v1/usage``, the dashboard's
+    cards, the CLI), so they agree for the same engine time and tokens."""
+    if tokens <= 0:
+        return None
+    return round(cost / tokens * 1e6, MONEY_DIGITS)
+
+
+def format_usd(amount: float | None) -> str:
+    """A dollar amount as people read it, never in scientific notation: ``$1,234.50`` from one
+    dollar up, ``SHOWN_DIGITS`` significant digits in fixed point below (``$0.0000474`` for
+    4.73535e-05), ``$0`` for zero and ``-`` for ``None``. Every amount the CLI prints and the
+    dashboard shows (its data carries these strings) goes through here."""
+    if amount is None:
+        return "-"
+    if amount == 0:
+        return "$0"
+    sign = "-" if amount < 0 else ""
+    value = abs(amount)
+    if value >= 1:
+        return f"{sign}${value:,.2f}"
+    decimals = SHOWN_DIGITS - 1 - math.floor(math.log10(value))
+    # 0.0009996 rounds up to 0.001: count the digits from the rounded value ($0.00100).
+    decimals = SHOWN_DIGITS - 1 - math.floor(math.log10(round(value, decimals)))
+    shown = f"{value:.{decimals}f}"
+    return f"{sign}${shown}"
 
 
 @dataclass(frozen=True)
@@ -62,9 +94,7 @@ class Bill:
     @property
     def cost_per_million_tokens(self) -> float | None:
         """Our cost per million (input + output) tokens; ``None`` before any token."""
-        if self.tokens <= 0:
-            return None
-        return round(self.cost / self.tokens * 1e6, MONEY_DIGITS)
+        return cost_per_million_tokens(self.cost, self.tokens)
 
 
 def gpu_cost_per_hour(settings: Settings, model: str | None, device: str) -> float:

@@ -300,7 +300,7 @@ def test_usage_endpoint_matches_the_batches(settings: Settings, tenant: Tenant) 
     client_tools.print_usage(report, Console(file=out, width=160))
     table = out.getvalue()
     assert MODEL in table and OTHER in table and "total" in table
-    assert f"{total['input_tokens']:,}" in table
+    assert client_tools.format_count(total["input_tokens"]) in table
 
 
 def test_the_cli_summary_shows_cost_and_saving(settings: Settings, tenant: Tenant) -> None:

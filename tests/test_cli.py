@@ -49,7 +49,7 @@ def test_submit_reads_the_endpoint_of_any_first_line(tmp_path) -> None:  # type:
     assert first_url(path) == "/v1/completions"
 
 
-def test_download_of_a_batch_without_output_says_so_and_exits_1(
+def test_download_of_a_batch_without_output_says_so_and_exits_6(
     sdk: OpenAI, monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
     from offpeak import cli
@@ -61,6 +61,6 @@ def test_download_of_a_batch_without_output_says_so_and_exits_1(
     monkeypatch.setattr(cli, "_client", lambda: sdk)
     out = tmp_path / "out.jsonl"
     result = CliRunner().invoke(app, ["download", batch.id, "-o", str(out)])
-    assert result.exit_code == 1
+    assert result.exit_code == 6  # offpeak.cli.exit_codes.NOTHING_TO_DO
     assert f"batch {batch.id} is validating" in result.output and "no output" in result.output
     assert not out.exists()

@@ -28,6 +28,7 @@ from storage.repositories import batches as batches_repo
 from storage.repositories import files as files_repo
 from storage.repositories import requests as requests_repo
 from workers import webhooks
+from workers.estimate import BatchEstimator
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ class Outcome:
     model: str | None = None
     total: int = 0
     errors: list[dict[str, Any]] = field(default_factory=list)
+    #: Prompt tokens and the price range of the valid lines (the batch's ``estimate``).
+    estimate: BatchEstimator = field(default_factory=BatchEstimator)
 
 
 def iter_lines(chunks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
@@ -266,6 +269,7 @@ def _valid_rows(
             return
         if not outcome.errors:
             assert checker.model is not None
+            outcome.estimate.add(settings, checker.model, batch.endpoint, raw)
             yield (batch_id, number, custom_id, checker.model, deadline, raw.decode())
 
 
@@ -317,6 +321,7 @@ def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str |
         if not outcome.errors and batch.status == BatchStatus.VALIDATING:
             batch.status, batch.in_progress_at = BatchStatus.IN_PROGRESS, now()
             batch.model, batch.total = outcome.model, outcome.total
+            batch.estimate = outcome.estimate.as_json(settings)
             return outcome.model
         session.rollback()  # drop the rows (all of them if cancelled, else those before a problem)
         batch = batches_repo.get_for_update(session, batch_id)

@@ -57,9 +57,19 @@ def _models(session: Session, settings: Settings, at: float) -> list[dict[str, A
     for model, row in sorted(rows.items()):
         engines, cost, tokens = row.pop("engines"), row.pop("cost"), row.pop("tokens")
         row["busy_ratio"] = row["busy_ratio"] / engines if engines else 0.0
-        row["cost_per_million_tokens"] = cost / tokens * 1e6 if tokens else None
+        # The same rule as a batch's and /v1/usage's figure, so the cards and the CLI agree.
+        per_million = pricing.cost_per_million_tokens(cost, tokens)
+        row["cost_per_million_tokens"] = per_million
+        row["display"] = {"cost_per_million_tokens": pricing.format_usd(per_million)}
         out.append({"model": model, **row})
     return out
+
+
+def _with_display(batch: dict[str, Any]) -> dict[str, Any]:
+    """A batch's JSON plus ``display``: its amounts as the page shows them, formatted here by
+    ``offpeak.pricing.format_usd`` (the CLI's function) rather than again in JavaScript."""
+    shown = ("cost", "price", "saving", "realtime_price", "cost_per_million_tokens")
+    return {**batch, "display": {k: pricing.format_usd(batch.get(k)) for k in shown}}
 
 
 def _series(session: Session, at: float, hours: float) -> dict[str, Any]:
@@ -99,7 +109,7 @@ def data(
         "window_seconds": settings.metrics_window_seconds,
         "paused": sorted(pool for pool, on in scheduler_state.pauses(state).items() if on),
         "load": load_now,
-        "batches": [BatchObject.of(b, bills[b.id]).model_dump() for b in batches],
+        "batches": [_with_display(BatchObject.of(b, bills[b.id]).model_dump()) for b in batches],
         "models": _models(session, settings, at),
         # Models no live engine worker serves, a missing control worker: why work may not move.
         "alerts": health_service.alerts(session, settings, at),

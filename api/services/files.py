@@ -9,7 +9,7 @@ from typing import IO
 
 from sqlalchemy.orm import Session
 
-from api.errors import BadRequest, NotFound, PayloadTooLarge
+from api.errors import BadRequest, NotFound, PayloadTooLarge, unknown_cursor
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings
 from storage.blobs import CHUNK_BYTES, BlobStore
@@ -174,11 +174,15 @@ def page(
     limit: int,
     order: str,
 ) -> tuple[list[File], bool]:
-    """A page of files and whether more follow. Raises ``BadRequest`` for a bad limit/order."""
+    """A page of files and whether more follow. Raises ``BadRequest`` for a bad limit/order and
+    an unknown ``after`` (``api.errors.unknown_cursor``)."""
     if not 1 <= limit <= 10_000:
         raise BadRequest("limit must be between 1 and 10000.", param="limit")
     if order not in ("asc", "desc"):
         raise BadRequest("order must be 'asc' or 'desc'.", param="order")
+    # A deleted file still marks a place in the list; an id that was never the tenant's does not.
+    if after and files_repo.get_any_of_tenant(session, tenant_id, after) is None:
+        raise unknown_cursor("file", after)
     rows = list(
         files_repo.page(
             session,

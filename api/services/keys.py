@@ -7,7 +7,8 @@ import secrets
 
 from sqlalchemy.orm import Session
 
-from storage.models import Tenant
+from offpeak.ids import now
+from storage.models import ApiKey, Tenant
 from storage.repositories import tenants as tenants_repo
 
 KEY_PREFIX = "sk-offpeak-"
@@ -41,3 +42,22 @@ def ensure_key(session: Session, tenant_name: str, key: str) -> None:
 
 def tenant_for_key(session: Session, key: str) -> Tenant | None:
     return tenants_repo.tenant_for_key_hash(session, hash_key(key))
+
+
+def list_keys(session: Session, tenant_name: str | None = None) -> list[tuple[ApiKey, str]]:
+    """``(key, tenant name)`` for every key (or one tenant's), revoked ones included; a key is
+    shown by its id and first characters (``prefix``), never in full (only its hash is kept)."""
+    return tenants_repo.keys(session, tenant_name)
+
+
+class UnknownKeyError(LookupError):
+    """No key has this id."""
+
+
+def revoke_key(session: Session, key_id: str) -> ApiKey:
+    """Revoke a key by id (``key_…``): from the next request on it gets 401. Idempotent: a key
+    revoked already keeps its first ``revoked_at``. Raises ``UnknownKeyError``."""
+    key = tenants_repo.revoke(session, key_id, now())
+    if key is None:
+        raise UnknownKeyError(key_id)
+    return key

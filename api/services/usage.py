@@ -83,6 +83,9 @@ def _bucket(row: UsageRow) -> UsageBucket:
         price=price,
         realtime_price=listed,
         saving=round(listed - price, pricing.MONEY_DIGITS),
+        cost_per_million_tokens=pricing.cost_per_million_tokens(
+            cost, row.input_tokens + row.output_tokens
+        ),
     )
 
 

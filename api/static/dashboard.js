@@ -21,10 +21,10 @@ if (params.get("key")) {
 
 const $ = (id) => document.getElementById(id);
 
-function money(x) {
-  if (x === null || x === undefined) return "–";
-  if (x === 0) return "$0";
-  return "$" + (Math.abs(x) >= 1 ? x.toFixed(2) : Number(x.toPrecision(3)).toString());
+// Amounts come formatted by the server (offpeak.pricing.format_usd, the CLI's function), so the
+// page and the CLI print the same figure, never in scientific notation.
+function money(shown) {
+  return shown === null || shown === undefined || shown === "-" ? "–" : shown;
 }
 
 function num(x, digits = 0) {
@@ -70,7 +70,7 @@ function renderModels(models, windowSeconds) {
       ["prompt tokens/s", num(m.prompt_tokens_per_second, 1)],
       ["completion tokens/s", num(m.completion_tokens_per_second, 1)],
       ["engine busy", num(100 * m.busy_ratio, 0) + " %"],
-      ["cost / 1M tokens", money(m.cost_per_million_tokens)],
+      ["cost / 1M tokens", money(m.display.cost_per_million_tokens)],
     ];
     const dl = el("dl");
     for (const [k, v] of rows) dl.append(el("dt", { textContent: k }), el("dd", { textContent: v }));
@@ -111,9 +111,9 @@ function renderBatches(batches) {
       el("td", { class: "num",
         textContent: `${num(usage.input_tokens)} / ${num(usage.output_tokens)}` }),
       el("td", { class: "num", textContent: num(b.gpu_seconds, 2) }),
-      el("td", { class: "num", textContent: money(b.cost) }),
-      el("td", { class: "num", textContent: money(b.price) }),
-      el("td", { class: "num", textContent: money(b.saving) }),
+      el("td", { class: "num", textContent: money(b.display.cost) }),
+      el("td", { class: "num", textContent: money(b.display.price) }),
+      el("td", { class: "num", textContent: money(b.display.saving) }),
       el("td", { textContent: clock(b.created_at, true) }),
       // The scheduler's estimate of the last line's finish, while the batch runs.
       el("td", { textContent: !ENDED.has(b.status) && b.estimated_completion_at

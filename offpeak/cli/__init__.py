@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from offpeak.cli import batch_commands
 from offpeak.cli.bench import bench_app
 from offpeak.cli.plan import calibrate_command, plan_app, simulate_app
 from offpeak.cli.sched import pause_command, resume_command, simulate_day_command
@@ -257,20 +258,34 @@ def submit(
     batch = client_tools.submit(_client(), file, endpoint, window)
     console.print(f"batch [bold]{batch.id}[/bold] created ({batch.status})")
     if wait:
-        from rich.text import Text
+        wait_and_exit(batch.id, client_tools.first_model(file))
 
-        # Warnings go to stderr (inside the progress display on a terminal), never failing.
-        stderr = Console(stderr=True)
-        batch = client_tools.wait_with_progress(
-            _client(),
-            batch.id,
-            console,
-            model=client_tools.first_model(file),
-            warn=lambda message: stderr.print(
-                Text.assemble(("warning: ", "yellow"), message), soft_wrap=True
-            ),
-        )
-        client_tools.print_summary(batch, console)
+
+def wait_and_exit(batch_id: str, model: str | None) -> None:
+    """Show progress until the batch ends, print its summary, and exit with its outcome
+    (``exit_codes.FOR_STATUS``: 0 completed, 3 failed, 4 expired, 5 cancelled), saying on
+    stderr why when it is not 0."""
+    from rich.text import Text
+
+    from offpeak.cli import client as client_tools
+    from offpeak.cli import exit_codes
+
+    # Warnings go to stderr (inside the progress display on a terminal), never failing.
+    stderr = Console(stderr=True)
+    batch = client_tools.wait_with_progress(
+        _client(),
+        batch_id,
+        console,
+        model=model,
+        warn=lambda message: stderr.print(
+            Text.assemble(("warning: ", "yellow"), message), soft_wrap=True
+        ),
+    )
+    client_tools.print_summary(batch, console)
+    code = exit_codes.FOR_STATUS.get(batch.status, exit_codes.ERROR)
+    if code != exit_codes.OK:
+        stderr.print(f"batch {batch.id} ended {batch.status} (exit {code})")
+        raise typer.Exit(code)
 
 
 @app.command()
@@ -304,15 +319,17 @@ def download(
         Path, typer.Option("-o", "--output", help="Where to write the output file.")
     ] = Path("output.jsonl"),
 ) -> None:
-    """Download a finished batch's output file (and its error file next to it, if any). Exits 1,
+    """Download a finished batch's output file (and its error file next to it, if any). Exits 6,
     saying why, when the batch has no file to download (it has not ended, or ended empty)."""
     from offpeak.cli import client as client_tools
 
     try:
         paths = client_tools.download(_client(), batch_id, output)
     except client_tools.NoOutputError as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from None
+        from offpeak.cli import exit_codes
+
+        Console(stderr=True).print(f"[red]{exc}[/red]")
+        raise typer.Exit(exit_codes.NOTHING_TO_DO) from None
     for path in paths:
         console.print(f"wrote {path}")
 
@@ -328,15 +345,44 @@ def demo(
     raise typer.Exit(run_demo(port, console))
 
 
+app.command("list")(batch_commands.list_command)
+app.command("cancel")(batch_commands.cancel_command)
+app.command("retry")(batch_commands.retry_command)
+app.command("estimate")(batch_commands.estimate_command)
+keys_app.command("list")(batch_commands.keys_list_command)
+keys_app.command("revoke")(batch_commands.keys_revoke_command)
 app.command("calibrate")(calibrate_command)
 app.command("pause")(pause_command)
 app.command("resume")(resume_command)
 simulate_app.command("day")(simulate_day_command)
 
 
+def _database_folder_problem(exc: Exception) -> str | None:
+    """One line for SQLite's ``unable to open database file`` (the embedded database's folder
+    does not exist: a relative ``OFFPEAK_DATA_DIR`` used from another directory, or no
+    ``offpeak migrate`` yet), naming the folder; ``None`` for any other database error."""
+    if "unable to open database file" not in str(exc):
+        return None
+    settings = get_settings()
+    url = settings.resolved_database_url
+    folder = Path(url.removeprefix("sqlite:///")).parent if url.startswith("sqlite:") else None
+    where = f"the folder {folder} does not exist" if folder and not folder.is_dir() else str(url)
+    return (
+        f"cannot open the embedded database: {where} (OFFPEAK_DATA_DIR="
+        f"{os.environ.get('OFFPEAK_DATA_DIR', '.offpeak')!r}, from {Path.cwd()}); run from the "
+        "folder you started Offpeak in, set OFFPEAK_DATA_DIR to an absolute path, or run "
+        "`offpeak migrate` to create it"
+    )
+
+
 def main() -> None:
-    """The console entry point: client errors print one line, not a traceback."""
+    """The console entry point: client errors print one line, not a traceback, and exit with
+    ``exit_codes`` (1 an API error, 7 the API unreachable, 1 a data folder that cannot be
+    opened)."""
     import openai
+    import sqlalchemy.exc
+
+    from offpeak.cli import exit_codes
 
     try:
         app()
@@ -345,11 +391,17 @@ def main() -> None:
             f"[red]cannot reach the Offpeak API: {exc}[/red] (is `offpeak serve` running, "
             "and OPENAI_BASE_URL right?)"
         )
-        raise SystemExit(1) from None
+        raise SystemExit(exit_codes.UNREACHABLE) from None
+    except sqlalchemy.exc.OperationalError as exc:
+        message = _database_folder_problem(exc)
+        if message is None:
+            raise
+        console.print(f"[red]{message}[/red]", soft_wrap=True)
+        raise SystemExit(exit_codes.ERROR) from None
     except openai.APIStatusError as exc:
         try:
             message = exc.response.json()["error"]["message"]
         except Exception:  # not our error shape (a proxy's page): show the status only
             message = exc.response.text[:200]
         console.print(f"[red]error {exc.status_code}: {message}[/red]")
-        raise SystemExit(1) from None
+        raise SystemExit(exit_codes.ERROR) from None

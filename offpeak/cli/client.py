@@ -11,17 +11,20 @@ from typing import Any
 import orjson
 from openai import APIError, OpenAI
 from openai.types import Batch
+from rich import box
 from rich.console import Console
 from rich.progress import (
     BarColumn,
-    MofNCompleteColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
+from offpeak.pricing import format_usd
 from offpeak.statuses import BatchStatus
 
 #: Seconds between two reads of ``/healthz`` while waiting (each may warn once).
@@ -107,6 +110,40 @@ def submit(
     )
 
 
+class _EtaColumn(ProgressColumn):
+    """Time left to the server's ``estimated_completion_at`` (the scheduler's estimate from
+    the engine's measured pace), rather than rich's guess from the bar's speed, which is
+    wrong while a chunk decodes and no line has finished yet."""
+
+    def render(self, task: Task) -> Text:
+        eta = task.fields.get("eta")
+        if eta is None:
+            return Text("ETA -:--:--", style="progress.remaining")
+        left = max(int(eta - time.time()), 0)
+        return Text(
+            f"ETA {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}", "progress.remaining"
+        )
+
+
+def progress_position(batch: Batch, at: float) -> float:
+    """Where the bar stands, in request lines: the finished lines, moved on while lines run by
+    the share of the time between ``in_progress_at`` and the server's ``estimated_completion_at``
+    that has passed (never past the last unfinished line, so only a finished batch shows 100%).
+    The API shows a line's tokens once it finishes (results are written every second); until
+    then the ETA is what it knows about running lines."""
+    counts = batch.request_counts
+    total = counts.total if counts else 0
+    done = (counts.completed + counts.failed) if counts else 0
+    if batch.status in BatchStatus.FINAL or not total or done >= total:
+        return float(done)
+    eta = (batch.model_extra or {}).get("estimated_completion_at")
+    began = batch.in_progress_at
+    if eta is None or began is None or eta <= began:
+        return float(done)
+    share = min(max((at - began) / (eta - began), 0.0), 1.0)
+    return min(max(float(done), share * total), total - 0.5)
+
+
 def wait_with_progress(
     client: OpenAI,
     batch_id: str,
@@ -116,8 +153,9 @@ def wait_with_progress(
     model: str | None = None,
     warn: Callable[[str], None] | None = None,
 ) -> Batch:
-    """Poll until the batch ends, with a progress bar of finished request lines, output
-    tokens/s since the first poll and the time left at the current pace (ETA).
+    """Poll until the batch ends, with a progress bar of request lines (``progress_position``:
+    finished lines, moving with the server's ETA while lines run), the finished count, output
+    tokens/s since the first poll and the time left to ``estimated_completion_at``.
 
     With ``warn``, reads ``/healthz`` every ``HEALTH_EVERY_SECONDS`` while the batch runs and
     calls ``warn`` (once per kind) when no live engine worker serves the batch's model (the
@@ -126,15 +164,14 @@ def wait_with_progress(
     next_health = 0.0
     columns = (
         TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
+        BarColumn(bar_width=24),
+        TextColumn("{task.fields[finished]}"),
         TextColumn("{task.fields[detail]}"),
         TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
+        _EtaColumn(),
     )
     with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task(batch_id, total=None, detail="")
+        task = progress.add_task(batch_id, total=None, detail="", finished="", eta=None)
         started = time.monotonic()
         first_tokens: int | None = None
         while True:
@@ -146,13 +183,16 @@ def wait_with_progress(
             # otherwise show an inflated rate.
             first_tokens = tokens if first_tokens is None else first_tokens
             rate = (tokens - first_tokens) / max(time.monotonic() - started, 1e-9)
+            ended = batch.status in BatchStatus.FINAL
             progress.update(
                 task,
                 total=(counts.total or None) if counts else None,
-                completed=done,
-                detail=f"{batch.status} · {tokens} output tokens · {rate:.0f} tok/s",
+                completed=progress_position(batch, time.time()),
+                finished=f"{done}/{counts.total if counts else '?'}",
+                detail=f"{batch.status} · {tokens:,} out tok · {rate:.0f} tok/s",
+                eta=None if ended else (batch.model_extra or {}).get("estimated_completion_at"),
             )
-            if batch.status in BatchStatus.FINAL:
+            if ended:
                 return _billed(client, batch, poll)
             if warn is not None and time.monotonic() >= next_health:
                 next_health = time.monotonic() + HEALTH_EVERY_SECONDS
@@ -203,17 +243,21 @@ def print_summary(batch: Batch, console: Console) -> None:
         ("error_file_id", batch.error_file_id),
     ]
     rows.extend(_money_rows(batch))
+    estimate = (batch.model_extra or {}).get("estimate")
+    if estimate:
+        rows.append(
+            (
+                "estimate",
+                f"{estimate['prompt_tokens']:,} prompt tokens, up to "
+                f"{estimate['max_completion_tokens']:,} completion tokens: "
+                f"{format_usd(estimate['price_low'])} … {format_usd(estimate['price_high'])}",
+            )
+        )
     for error in (batch.errors.data if batch.errors and batch.errors.data else [])[:10]:
         rows.append(("error", f"line {error.line}: {error.code}: {error.message}"))
     for key, value in rows:
         table.add_row(key, str(value) if value is not None else "-")
     console.print(table)
-
-
-def _usd(amount: float | None) -> str | None:
-    if amount is None:
-        return None
-    return f"${amount:.2f}" if abs(amount) >= 1 else f"${amount:.6g}"
 
 
 def _money_rows(batch: Batch) -> list[tuple[str, Any]]:
@@ -225,14 +269,12 @@ def _money_rows(batch: Batch) -> list[tuple[str, Any]]:
     per_million = extra.get("cost_per_million_tokens")
     return [
         ("GPU-seconds", f"{extra['gpu_seconds']:.3f}"),
-        (
-            "cost",
-            f"{_usd(extra.get('cost'))} ({_usd(per_million) or '-'} per 1M tokens)",
-        ),
-        ("price", f"{_usd(extra.get('price'))} ({final})"),
+        ("cost", f"{format_usd(extra.get('cost'))} ({format_usd(per_million)} per 1M tokens)"),
+        ("price", f"{format_usd(extra.get('price'))} ({final})"),
         (
             "saving",
-            f"{_usd(extra.get('saving'))} vs {_usd(extra.get('realtime_price'))} real-time",
+            f"{format_usd(extra.get('saving'))} vs {format_usd(extra.get('realtime_price'))} "
+            "real-time",
         ),
     ]
 
@@ -248,30 +290,56 @@ def usage(
     return report
 
 
+def format_count(n: int) -> str:
+    """A token count in at most 6 characters: exact up to 9,999, then 3 significant digits
+    with k, M or B (``12.3k``, ``1.23M``); the exact counts are in ``GET /v1/usage``."""
+    if abs(n) < 10_000:
+        return f"{n:,}"
+    shown = float(f"{n:.3g}")  # 99,999,999 → 1e8, so it reads 100M, not 100.0M
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(shown) >= size:
+            value = shown / size
+            digits = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
+            return f"{value:.{digits}f}{unit}"
+    return str(n)
+
+
 def print_usage(report: dict[str, Any], console: Console) -> None:
-    """The usage report as a table, one row per group and a total."""
+    """The usage report as a table that fits 80 columns: one row per group, then a row labelled
+    ``total``; token counts compact (``format_count``), amounts by ``format_usd``. The caption
+    gives the total's saving and its cost per million tokens
+    (``offpeak.pricing.cost_per_million_tokens``, the dashboard's rule)."""
     group = report.get("group_by")
-    table = Table(title=f"usage ({report.get('currency', 'usd').upper()})")
-    columns = ["batches", "requests", "input tokens", "output tokens", "GPU-s", "cost", "price"]
-    for name in ([group] if group else []) + [*columns, "saving"]:
-        table.add_column(name, justify="left" if name == group else "right")
+    total = report["total"]
+    table = Table(
+        title=f"usage ({report.get('currency', 'usd').upper()})",
+        caption=(
+            f"total saving {format_usd(total['saving'])} vs {format_usd(total['realtime_price'])}"
+            f" real-time\ncost per 1M tokens {format_usd(total.get('cost_per_million_tokens'))}"
+        ),
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 0),
+    )
+    table.add_column(group or "", no_wrap=True, overflow="ellipsis", max_width=18)
+    for name in ("batches", "requests", "in tok", "out tok", "GPU-s", "cost", "price"):
+        table.add_column(name, justify="right", no_wrap=True)
 
     def cells(row: dict[str, Any]) -> list[str]:
         return [
             f"{row['batches']:,}",
             f"{row['requests']:,}",
-            f"{row['input_tokens']:,}",
-            f"{row['output_tokens']:,}",
-            f"{row['gpu_seconds']:.2f}",
-            _usd(row["cost"]) or "-",
-            _usd(row["price"]) or "-",
-            _usd(row["saving"]) or "-",
+            format_count(row["input_tokens"]),
+            format_count(row["output_tokens"]),
+            f"{row['gpu_seconds']:.1f}",
+            format_usd(row["cost"]),
+            format_usd(row["price"]),
         ]
 
     for row in report["data"]:
-        label = [str(row.get(group) or "-")] if group else []
-        table.add_row(*label, *cells(row))
-    table.add_row(*(["total"] if group else []), *cells(report["total"]), style="bold")
+        table.add_row(str(row.get(group) or "-") if group else "", *cells(row))
+    table.add_section()
+    table.add_row("total", *cells(total), style="bold")
     console.print(table)
 
 
@@ -306,3 +374,87 @@ def read_lines(client: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
         return []
     text = client.files.content(file_id).text
     return [orjson.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def print_batches(batches: list[Batch], console: Console) -> None:
+    """Batches one per row, newest first, in 80 columns: id, status, model, finished/total
+    lines and price (``offpeak status ID`` shows the rest)."""
+    table = Table(title="batches", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0))
+    table.add_column("id", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("model", overflow="ellipsis", no_wrap=True, max_width=18)
+    table.add_column("lines", justify="right", no_wrap=True)
+    table.add_column("price", justify="right", no_wrap=True)
+    for batch in batches:
+        counts = batch.request_counts
+        lines = f"{counts.completed + counts.failed}/{counts.total}" if counts else "-"
+        price = format_usd((batch.model_extra or {}).get("price"))
+        model = getattr(batch, "model", None) or "-"
+        table.add_row(batch.id, batch.status, model, lines, price)
+    console.print(table)
+
+
+#: ``error.code`` of lines that failed for a reason of the server's, not the request's.
+SERVER_ERROR_CODES = frozenset({"server_error", "engine_failure", "internal_error"})
+
+
+def retryable(error_line: dict[str, Any]) -> bool:
+    """Whether an error-file line failed for the server's reason, so running it again may
+    succeed: it never ran because the batch expired (``batch_expired``), or the endpoint
+    answered 5xx / ``server_error``. 4xx lines (the request's own fault) and lines of a
+    cancelled batch (``batch_cancelled``: the user stopped them) are not retried."""
+    error = error_line.get("error") or {}
+    if error.get("code") == "batch_expired":
+        return True
+    response = error_line.get("response") or {}
+    status = response.get("status_code")
+    body_error = (response.get("body") or {}).get("error") or {}
+    if isinstance(status, int) and status >= 500:
+        return True
+    return body_error.get("code") in SERVER_ERROR_CODES or error.get("code") in SERVER_ERROR_CODES
+
+
+class NothingToRetryError(Exception):
+    """The batch has no line that expired or failed for a server reason."""
+
+
+def retry(client: OpenAI, batch_id: str) -> tuple[Batch, int]:
+    """A new batch of ``batch_id``'s lines that expired or failed for a server reason
+    (``retryable``): their original lines, byte for byte, from the input file, in the same
+    endpoint and completion window, with ``metadata.retry_of`` naming the original. Returns the
+    new batch and its number of lines.
+
+    Raises ``NothingToRetryError`` (not ended, or nothing retryable), and the SDK's errors (the
+    input file was deleted or expired: 404)."""
+    batch = client.batches.retrieve(batch_id)
+    if batch.status not in BatchStatus.FINAL:
+        raise NothingToRetryError(f"batch {batch_id} is {batch.status}: retry it once it ends")
+    wanted = {
+        line["custom_id"] for line in read_lines(client, batch.error_file_id) if retryable(line)
+    }
+    if not wanted:
+        raise NothingToRetryError(
+            f"batch {batch_id} ({batch.status}) has no line that expired or failed for a server "
+            "reason"
+        )
+    kept = []
+    for raw in client.files.content(batch.input_file_id).content.splitlines():
+        text = raw.strip().removeprefix(b"\xef\xbb\xbf")
+        if not text:
+            continue
+        try:
+            custom_id = orjson.loads(text).get("custom_id")
+        except (orjson.JSONDecodeError, AttributeError):
+            continue
+        if custom_id in wanted:
+            kept.append(text)
+            wanted.discard(custom_id)  # a custom_id is unique in a batch that ran
+    body = b"\n".join(kept) + b"\n"
+    file = client.files.create(file=(f"retry-of-{batch_id}.jsonl", body), purpose="batch")
+    created = client.batches.create(
+        input_file_id=file.id,
+        endpoint=batch.endpoint,  # type: ignore[arg-type]
+        completion_window=batch.completion_window,  # type: ignore[arg-type]
+        metadata={"retry_of": batch_id},
+    )
+    return created, len(kept)

@@ -41,6 +41,11 @@ def live_by_blob_key(session: Session, blob_key: str) -> File | None:
     return session.scalar(select(File).where(File.blob_key == blob_key, File.deleted.is_(False)))
 
 
+def get_any_of_tenant(session: Session, tenant_id: str, file_id: str) -> File | None:
+    """This tenant's file by id, deleted or not (a list cursor may name a deleted file)."""
+    return session.scalar(select(File).where(File.id == file_id, File.tenant_id == tenant_id))
+
+
 def get_any(session: Session, file_id: str) -> File | None:
     """A file by id, whatever its tenant (workers only)."""
     return session.get(File, file_id)

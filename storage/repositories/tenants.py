@@ -45,5 +45,24 @@ def tenant_for_key_hash(session: Session, key_hash: str) -> Tenant | None:
     )
 
 
+def keys(session: Session, tenant_name: str | None) -> list[tuple[ApiKey, str]]:
+    """``(key, tenant name)`` of every key, or of one tenant's, oldest first (revoked too)."""
+    query = select(ApiKey, Tenant.name).join(Tenant, ApiKey.tenant_id == Tenant.id)
+    if tenant_name is not None:
+        query = query.where(Tenant.name == tenant_name)
+    return [
+        (key, name) for key, name in session.execute(query.order_by(ApiKey.created_at, ApiKey.id))
+    ]
+
+
+def revoke(session: Session, key_id: str, at: int) -> ApiKey | None:
+    """Mark a key revoked at ``at`` (unix seconds) unless it already is; ``None`` if unknown."""
+    key = session.get(ApiKey, key_id)
+    if key is not None and key.revoked_at is None:
+        key.revoked_at = at
+        session.flush()
+    return key
+
+
 def key_exists(session: Session, key_hash: str) -> bool:
     return session.scalar(select(ApiKey.id).where(ApiKey.key_hash == key_hash)) is not None

@@ -1,0 +1,166 @@
+"""Client commands on batches beyond submit/status/download: ``list``, ``cancel``, ``retry``
+and ``estimate``, and the operator's ``keys list`` / ``keys revoke``.
+
+The batch commands go through the official ``openai`` SDK (``offpeak.cli._client``: the same
+``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``) and exit with ``offpeak.cli.exit_codes``; ``estimate``
+needs no server; the ``keys`` commands work on the database, like ``keys create``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from offpeak.cli import exit_codes
+from offpeak.pricing import format_usd
+from offpeak.settings import get_settings
+
+console = Console(soft_wrap=True)
+#: Messages that explain a non-zero exit go to stderr, so stdout stays the command's output.
+errors = Console(stderr=True, soft_wrap=True)
+
+
+def _client():  # type: ignore[no-untyped-def]
+    from offpeak import cli
+
+    return cli._client()
+
+
+def list_command(
+    limit: Annotated[int, typer.Option(min=1, max=100, help="Batches to show (1-100).")] = 20,
+    after: Annotated[
+        str | None, typer.Option(help="Start after this batch id (the last one shown before).")
+    ] = None,
+) -> None:
+    """This key's batches, newest first (``GET /v1/batches``): id, status, model, finished
+    lines of all, created (UTC) and price. Prints the next page's ``--after`` when there is one."""
+    from offpeak.cli import client as client_tools
+
+    cursor = {"after": after} if after else {}
+    page = _client().batches.list(limit=limit, **cursor)
+    batches = list(page.data)
+    if not batches:
+        console.print("no batches" + (f" after {after}" if after else ""))
+        return
+    client_tools.print_batches(batches, console)
+    if page.has_more:
+        console.print(f"more: offpeak list --after {batches[-1].id}")
+
+
+def cancel_command(batch_id: str) -> None:
+    """Cancel a batch (``POST /v1/batches/{id}/cancel``): it goes to ``cancelling``, running lines
+    stop, and it ends ``cancelled`` with the lines that finished. A batch that already ended
+    cannot be cancelled (error 409, exit 1)."""
+    batch = _client().batches.cancel(batch_id)
+    console.print(f"batch {batch.id} is {batch.status}")
+
+
+def retry_command(
+    batch_id: str,
+    wait: Annotated[bool, typer.Option("--wait", help="Show progress until it ends.")] = False,
+) -> None:
+    """A new batch of BATCH_ID's lines that expired or failed for a server reason (5xx,
+    ``server_error``, never-run lines of an expired batch), from the original input lines, on
+    the same endpoint and completion window (``metadata.retry_of`` names the original). Lines
+    that failed for their own fault (4xx) are not retried. Exits 6 when there is nothing to
+    retry."""
+    from offpeak.cli import client as client_tools
+
+    try:
+        batch, lines = client_tools.retry(_client(), batch_id)
+    except client_tools.NothingToRetryError as exc:
+        errors.print(str(exc))
+        raise typer.Exit(exit_codes.NOTHING_TO_DO) from None
+    console.print(
+        f"batch [bold]{batch.id}[/bold] created ({batch.status}): {lines} lines of {batch_id}"
+    )
+    if wait:
+        from offpeak import cli
+
+        cli.wait_and_exit(batch.id, None)
+
+
+def estimate_command(
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="A JSONL batch file.")],
+) -> None:
+    """What FILE would cost, without submitting it: its prompt tokens counted with the model's
+    own tokenizer (loaded here, from the configured models; no server needed) and the price
+    range from the prompts alone to the prompts plus every line's ``max_tokens``."""
+    from workers.estimate import estimate_file
+
+    try:
+        estimate, unusable = estimate_file(get_settings(), file)
+    except ValueError as exc:
+        errors.print(f"cannot estimate {file}: {exc}")
+        raise typer.Exit(exit_codes.ERROR) from None
+    print_estimate(estimate, console)
+    if unusable:
+        errors.print(
+            f"warning: {unusable} lines are not request lines of this model and endpoint "
+            "(validation would fail the batch)"
+        )
+
+
+def print_estimate(estimate: dict, console: Console) -> None:  # type: ignore[type-arg]
+    """An ``estimate`` (``workers.estimate.Estimate.as_json``) as a small table."""
+    table = Table(title="estimate", show_header=False)
+    for key, value in (
+        ("model", estimate.get("model")),
+        ("requests", f"{estimate['requests']:,} ({estimate['invalid_requests']:,} invalid)"),
+        ("prompt tokens", f"{estimate['prompt_tokens']:,}"),
+        ("completion tokens", f"0 … {estimate['max_completion_tokens']:,} (every max_tokens)"),
+        ("price", f"{format_usd(estimate['price_low'])} … {format_usd(estimate['price_high'])}"),
+    ):
+        if value is not None:
+            table.add_row(key, str(value))
+    console.print(table)
+
+
+def keys_list_command(
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant's keys.")] = None,
+) -> None:
+    """API keys: id, tenant, name, first characters, created and revoked (UTC). The key itself
+    cannot be shown (only its hash is kept)."""
+    from api.services import keys
+    from storage.db import session_scope
+
+    def when(at: int | None) -> str:
+        return time.strftime("%Y-%m-%d", time.gmtime(at)) if at else "-"
+
+    table = Table(title="API keys", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0))
+    for name in ("id", "tenant", "name", "starts", "created", "revoked"):
+        table.add_column(name, no_wrap=name in ("id", "starts", "created", "revoked"))
+    with session_scope(get_settings().resolved_database_url) as session:
+        for key, tenant_name in keys.list_keys(session, tenant):
+            table.add_row(
+                key.id,
+                tenant_name,
+                key.name or "-",
+                key.prefix + "…",
+                when(key.created_at),
+                when(key.revoked_at),
+            )
+    console.print(table)
+
+
+def keys_revoke_command(
+    key_id: Annotated[str, typer.Argument(help="The key's id (key_…).")],
+) -> None:
+    """Revoke a key by its id (``offpeak keys list`` shows ids): from its next request on the
+    API answers 401. Revoking it again changes nothing."""
+    from api.services import keys
+    from storage.db import session_scope
+
+    with session_scope(get_settings().resolved_database_url) as session:
+        try:
+            key = keys.revoke_key(session, key_id)
+        except keys.UnknownKeyError:
+            errors.print(f"no key has id {key_id!r} (see `offpeak keys list`)")
+            raise typer.Exit(exit_codes.ERROR) from None
+        console.print(f"key {key.id} ({key.prefix}…) revoked")
