@@ -432,3 +432,32 @@ def test_the_workers_deliver_through_celery_on_the_embedded_stack(tmp_path: Path
     headers, body, _ = receiver.requests[-1]
     event = client.webhooks.unwrap(body, headers, secret=endpoint.signing_secret)
     assert (event.type, event.data.id) == ("batch.completed", batch.id)
+
+
+def test_the_cli_manages_endpoints_and_shows_the_log(
+    settings: Settings, tenant: AcctTenant, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from offpeak import cli
+
+    monkeypatch.setattr(cli, "_client", lambda: tenant.sdk)
+    runner = CliRunner()
+    created = runner.invoke(cli.app, ["webhooks", "create", receiver.url, "-e", "batch.completed"])
+    assert created.exit_code == 0, created.output
+    secret = next(w for w in created.output.split() if w.startswith("whsec_"))
+    (endpoint,) = tenant.sdk.webhooks.list().data
+    listed = runner.invoke(cli.app, ["webhooks", "list"])
+    assert endpoint.id in listed.output and secret not in listed.output
+    assert secret[-4:] in listed.output  # the hint
+    tested = runner.invoke(cli.app, ["webhooks", "test", endpoint.id])
+    assert tested.exit_code == 0 and "answered 200" in tested.output, tested.output
+    headers, body, _ = receiver.requests[-1]
+    assert _unwrap(tenant.sdk, headers, body, secret).data.id == "batch_test"
+    log = runner.invoke(cli.app, ["webhooks", "deliveries", endpoint.id])
+    assert "batch_test" in log.output and "delivered" in log.output and "200/" in log.output
+    rotated = runner.invoke(cli.app, ["webhooks", "rotate", endpoint.id])
+    new_secret = next(w for w in rotated.output.split() if w.startswith("whsec_"))
+    assert new_secret != secret
+    deleted = runner.invoke(cli.app, ["webhooks", "delete", endpoint.id])
+    assert deleted.exit_code == 0 and tenant.sdk.webhooks.list().data == []

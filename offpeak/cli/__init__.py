@@ -21,6 +21,7 @@ from offpeak.cli import batch_commands
 from offpeak.cli.bench import bench_app
 from offpeak.cli.plan import calibrate_command, plan_app, simulate_app
 from offpeak.cli.sched import pause_command, resume_command, simulate_day_command
+from offpeak.cli.webhooks import webhooks_app
 from offpeak.settings import get_settings
 
 app = typer.Typer(help="Offpeak: the OpenAI Batch API on idle GPU time.", no_args_is_help=True)
@@ -29,6 +30,7 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(plan_app, name="plan")
 app.add_typer(simulate_app, name="simulate")
 app.add_typer(bench_app, name="bench")
+app.add_typer(webhooks_app, name="webhooks")
 console = Console()
 
 
