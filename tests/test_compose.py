@@ -13,7 +13,7 @@ from offpeak.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-OFFPEAK_SERVICES = ["migrate", "api", "control", "engine"]
+OFFPEAK_SERVICES = ["migrate", "api", "control", "engine", "embeddings"]
 
 
 def test_services_present() -> None:
@@ -42,13 +42,15 @@ def test_environment_is_settings(name: str, monkeypatch: pytest.MonkeyPatch) -> 
     assert settings.resolved_database_url.startswith("postgresql+psycopg://")
     assert settings.resolved_broker_url.startswith("redis://redis:")
     for model in settings.models.values():
-        assert model.path and model.path.startswith("/models/")
+        # A folder on the host, or a model packaged in the image (the embedding model).
+        assert (model.path and model.path.startswith("/models/")) or model.source
 
 
+@pytest.mark.parametrize("name", ["engine", "embeddings"])
 def test_engine_worker_reserves_a_gpu_and_serves_a_configured_model(
-    monkeypatch: pytest.MonkeyPatch,
+    name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = COMPOSE["services"]["engine"]
+    engine = COMPOSE["services"][name]
     devices = engine["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
     served = engine["command"][engine["command"].index("--models") + 1].split(",")

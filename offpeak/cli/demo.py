@@ -3,12 +3,14 @@
 Runs ``offpeak up`` as a child process (the API and both workers, on the embedded SQLite +
 filesystem broker unless settings say otherwise; stopped at the end as Ctrl-C stops it),
 submits ``examples/quickstart.jsonl`` through the official ``openai`` SDK (one batch per
-endpoint, since a batch targets one endpoint), shows progress, prints answers with their usage,
-and leaves the output on disk.
+endpoint, since a batch targets one endpoint: chat, completions and embeddings), shows
+progress, prints answers (an embedding as its size and first values) with their usage, and
+leaves the output on disk.
 """
 
 from __future__ import annotations
 
+import base64
 import socket
 import time
 from collections import defaultdict
@@ -53,8 +55,16 @@ def split_by_endpoint(path: Path, folder: Path) -> dict[str, Path]:
 
 def _answer(line: dict) -> str:  # type: ignore[type-arg]
     body = line["response"]["body"]
+    if body.get("object") == "list":  # /v1/embeddings: one vector per input
+        return " | ".join(_vector(d["embedding"]) for d in body["data"])
     texts = [c["message"]["content"] if "message" in c else c["text"] for c in body["choices"]]
     return " | ".join(t.strip().replace("\n", " ") for t in texts)
+
+
+def _vector(embedding: list[float] | str) -> str:
+    if isinstance(embedding, str):
+        return f"base64 float32, {len(base64.b64decode(embedding)) // 4} dims"
+    return f"{len(embedding)} dims [{embedding[0]:+.3f}, {embedding[1]:+.3f}, …]"
 
 
 def run_demo(port: int, console: Console) -> int:
@@ -125,7 +135,7 @@ def _wait(client: OpenAI, stack: OffpeakUp, batches: dict, console: Console) -> 
 
 
 def _report(client: OpenAI, batches: dict, seconds: float, console: Console) -> int:  # type: ignore[type-arg]
-    table = Table(title="answers (SmolLM2-135M-Instruct)", show_lines=False)
+    table = Table(title="answers (SmolLM2-135M-Instruct; embeddings: all-MiniLM-L6-v2)")
     for column in ("custom_id", "answer", "prompt", "completion"):
         table.add_column(column, overflow="fold")
     outputs, ok = [], True
@@ -141,7 +151,7 @@ def _report(client: OpenAI, batches: dict, seconds: float, console: Console) -> 
                 line["custom_id"],
                 _answer(line)[:90],
                 str(usage["prompt_tokens"]),
-                str(usage["completion_tokens"]),
+                str(usage.get("completion_tokens", 0)),  # embeddings: input tokens only
             )
         for line in errors:
             table.add_row(line["custom_id"], f"[red]error: {line}[/red]", "-", "-")
