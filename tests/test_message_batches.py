@@ -490,3 +490,27 @@ def test_results_before_the_end_are_refused(
         claude.messages.batches.results(batch.id)  # the SDK itself needs results_url
     raw = http.get(f"/v1/messages/batches/{batch.id}/results", headers={"x-api-key": api_key})
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_an_idempotency_key_makes_the_create_safe_to_retry(
+    claude: anthropic.Anthropic, settings: Settings
+) -> None:
+    """The Idempotency-Key hook (``api.services.idempotency``) on the Anthropic create: a retry
+    with the same key and body answers the first batch again and makes no second one; the same
+    key with another body is refused in Anthropic's shape."""
+    requests = [_request("a", _model(settings))]
+    headers = {"Idempotency-Key": "retry-1"}
+    first = claude.messages.batches.create(requests=requests, extra_headers=headers)  # type: ignore[arg-type]
+    again = claude.messages.batches.with_raw_response.create(
+        requests=requests,  # type: ignore[arg-type]
+        extra_headers=headers,
+    )
+    assert again.parse().id == first.id and again.headers["Idempotent-Replayed"] == "true"
+    assert [b.id for b in claude.messages.batches.list()] == [first.id]
+    with pytest.raises(anthropic.UnprocessableEntityError) as caught:
+        claude.messages.batches.create(
+            requests=[_request("b", _model(settings))],  # type: ignore[list-item]
+            extra_headers=headers,
+        )
+    assert caught.value.body["type"] == "error"  # type: ignore[index]
+    assert "different payload" in caught.value.body["error"]["message"]  # type: ignore[index]

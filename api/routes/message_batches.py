@@ -7,10 +7,11 @@ Authenticated by ``x-api-key`` (the same keys as ``Authorization: Bearer``); the
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import Response, StreamingResponse
 
 from api.deps import AnthropicTenant, BlobsDep, SessionDep, SettingsDep
 from api.schemas_message_batches import (
@@ -20,6 +21,7 @@ from api.schemas_message_batches import (
     MessageBatch,
     MessageBatchList,
 )
+from api.services import idempotency
 from api.services import message_batches as service
 
 router = APIRouter(prefix="/v1/messages/batches", tags=["message batches"])
@@ -29,7 +31,9 @@ _DESCRIPTIONS = {
     "does not allow this.",
     401: "authentication_error: no x-api-key, or an incorrect one.",
     404: "not_found_error: no such Message Batch (also for another tenant's id).",
+    409: "invalid_request_error: a create with this Idempotency-Key is still running.",
     413: "request_too_large: the body is over 256 MB.",
+    422: "invalid_request_error: the Idempotency-Key was used with another body.",
 }
 
 
@@ -58,7 +62,7 @@ def _base_url(request: Request) -> str:
 @router.post(
     "",
     response_model=MessageBatch,
-    responses=_errors(400, 401, 413),
+    responses=_errors(400, 401, 409, 413, 422),
     openapi_extra={
         "requestBody": {"required": True, "content": {"application/json": {"schema": _schema()}}}
     },
@@ -70,10 +74,30 @@ def create_message_batch(
     settings: SettingsDep,
     blobs: BlobsDep,
     tenant: AnthropicTenant,
-) -> MessageBatch:
-    batch = service.create(session, blobs, settings, tenant.id, raw)
-    counts = service.counts(session, [batch])
-    return MessageBatch.of(batch, counts[batch.id], _base_url(request))
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            alias=idempotency.HEADER,
+            description="Makes the create safe to retry: a retry with the same key and body "
+            "returns the first answer and creates nothing (kept 24 h, per tenant).",
+        ),
+    ] = None,
+) -> Response:
+    once = idempotency.Idempotency(
+        settings=settings,
+        tenant_id=tenant.id,
+        key=idempotency.parse_key(idempotency_key),
+        method=request.method,
+        path=request.url.path,
+    )
+
+    def produce() -> MessageBatch:
+        batch = service.create(session, blobs, settings, tenant.id, raw)
+        counts = service.counts(session, [batch])
+        return MessageBatch.of(batch, counts[batch.id], _base_url(request))
+
+    # The body's bytes identify it: a client's retry sends the same ones.
+    return once.run(session, hashlib.sha256(raw).hexdigest(), produce)
 
 
 @router.get("", response_model=MessageBatchList, responses=_errors(400, 401))
