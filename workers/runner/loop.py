@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -51,6 +52,14 @@ from workers.scheduler import scheduler_metrics as metrics
 from workers.scheduler.chunking import claim_size, engine_room, size_for
 from workers.scheduler.clock import Clock, WallClock
 from workers.scheduler.hysteresis import Gate
+from workers.scheduler.lane import (
+    LaneController,
+    LaneDecision,
+    PrometheusServer,
+    ServerMetrics,
+    metrics_url,
+    victims,
+)
 from workers.scheduler.lease_heartbeat import LeaseHeartbeat
 from workers.scheduler.signals import BackgroundMonitor, LoadMonitor, build_signals
 from workers.scheduler.slack import Estimate, calibrated, refresh_estimates
@@ -122,6 +131,7 @@ class Runner:
         monitor: LoadMonitor | None = None,
         step_model: StepModel | None = None,
         export_metrics: bool = True,
+        lane_metrics: ServerMetrics | None = None,
     ) -> None:
         self.settings = settings
         #: Update this process's Prometheus metrics (off in the simulation: not this process's).
@@ -151,6 +161,15 @@ class Runner:
         #: Fallback throughput before any is measured: the calibrated or the seed's step model.
         self.step_model = step_model or calibrated(settings, self.model, device)
         self.held = HeldLines()
+        #: The batch lane (``workers.scheduler.lane``): batch requests in flight at a shared
+        #: real-time server, steered by its latencies; ``None`` when off.
+        self.lane: LaneController | None = None
+        self.lane_metrics = lane_metrics
+        self._sized_slots = self.slots
+        self._next_lane_at = -math.inf
+        #: The lane's recent decisions, oldest first (the simulation and the bench read them).
+        self.lane_decisions: deque[LaneDecision] = deque(maxlen=10_000)
+        self._setup_lane()
         self.writer = ResultWriter(
             settings, self.store, owner, self.model, device, self.clock.time(), export_metrics
         )
@@ -182,7 +201,25 @@ class Runner:
         assert not self.held, "replace_engine while holding lines"
         self.engine = engine
         self.room = engine_room(engine, self.settings.models.get(self.model))
-        self.slots = self.room.max_num_seqs
+        self.slots = self._sized_slots = self.room.max_num_seqs
+        if self.lane is not None:
+            self.lane.max_num_seqs = self.room.max_num_seqs
+            self.slots = min(self.slots, self.lane.limit)
+
+    def _setup_lane(self) -> None:
+        """Turn the lane on for a remote engine (``LaneSettings.enabled`` None) or when enabled."""
+        lane = self.policy.lane
+        config = self.settings.models.get(self.model)
+        remote = getattr(config, "engine", None) == "remote"
+        if not (lane.enabled if lane.enabled is not None else remote):
+            return
+        self.lane = LaneController(lane, self.room.max_num_seqs, self.step_model)
+        self.slots = 0
+        if self.lane_metrics is None:
+            url = metrics_url(lane, getattr(config, "url", None), self.policy.prometheus.url)
+            self.lane_metrics = PrometheusServer(
+                url, lane.control_seconds, lane.timeout_seconds, lane.stale_seconds
+            )
 
     # --- The loop -----------------------------------------------------------------------------
 
@@ -245,6 +282,11 @@ class Runner:
                 looked_again = False
                 if self.clock.monotonic() - self._last_flush >= self.settings.flush_seconds:
                     self._flush()
+                continue
+            if self._lane_waits() and not (until is not None and until()):
+                # The lane has no room at the server yet (learning, or real-time is busy): its
+                # lines wait here, leases renewed, rather than go back and be claimed again.
+                self.clock.sleep(self.policy.lane.control_seconds)
                 continue
             if self._next_claim_at > at and not looked_again:
                 # The engine ran dry inside a claim back-off: one more look before idling.
@@ -311,6 +353,48 @@ class Runner:
         if at >= self._next_estimate_at:
             self._next_estimate_at = at + self.policy.estimate_seconds
             self._estimate(at)
+        if self.lane is not None and self.clock.monotonic() >= self._next_lane_at:
+            self._next_lane_at = self.clock.monotonic() + self.policy.lane.control_seconds
+            self._steer_lane()
+
+    # --- The batch lane -----------------------------------------------------------------------
+
+    def _lane_waits(self) -> bool:
+        return (
+            self.lane is not None
+            and bool(self.held.queued)
+            and self.slots == 0
+            and not self.gate.hard_paused
+            and not lifecycle.stop_requested()
+        )
+
+    def _steer_lane(self) -> None:
+        """One lane decision: the new limit becomes the engine's slots; running lines above it
+        are aborted, newest first (urgent batches' last), and go back to pending."""
+        assert self.lane is not None and self.lane_metrics is not None
+        urgent = any(h.row.batch_id in self._urgent for h in self.held.all())
+        decision = self.lane.update(
+            self.clock.monotonic(), self.lane_metrics.read(), len(self.held.running), urgent
+        )
+        self.slots = min(self._sized_slots, decision.limit)
+        level = logging.INFO if decision.limit != decision.previous else logging.DEBUG
+        log.log(level, "%s: %s", self.model, decision.explain())
+        if self.export_metrics:
+            metrics.observe_lane(self.model, decision)
+            metrics.SLOTS.labels(self.model).set(self.slots)
+        self.lane_decisions.append(decision)
+        running = {rid: h.row.batch_id for rid, h in self.held.running.items()}
+        doomed = set(victims(running, decision.limit, lambda b: b in self._urgent))
+        if not doomed:
+            return
+        taken = self.held.take_running(lambda h: h.request_id in doomed)
+        self._abort([h.request_id for h in taken])
+        self._flush()  # what finished is written before its neighbours are handed back
+        self.writer.release([h.row for h in taken], count_attempt=False)
+        self._stats.aborted += len(taken)
+        if self.export_metrics:
+            metrics.LANE_ABORTED.labels(self.model).inc(len(taken))
+        log.info("%s: lane aborted %d running batch lines back to pending", self.model, len(taken))
 
     def _publish(self, reading: dict[str, Any], at: float) -> None:
         try:
@@ -416,7 +500,9 @@ class Runner:
                     self._next_claim_at = at + self.settings.flush_seconds
                 if claimed:
                     self._accept(claimed)
-        feed = self.slots + max(8, self.slots // 4)  # a step's finished lines get replaced
+        # A step's finished lines get replaced; the lane's limit is exact (lines in flight at a
+        # shared server, not an engine's queue).
+        feed = self.slots if self.lane else self.slots + max(8, self.slots // 4)
         self.held.admit(self.engine, feed, self._admissible, self._refused)
 
     def _refused(self, held: HeldLine, error: LineError) -> None:
@@ -454,7 +540,9 @@ class Runner:
         needs = self.held.engine_needs()
         if needs:
             sizing = size_for(needs, self.room, self.engine.max_model_len)
-            self.slots = sizing.slots
+            self.slots = self._sized_slots = sizing.slots
+            if self.lane is not None:
+                self.slots = min(self.slots, self.lane.limit)
             if self.export_metrics:
                 metrics.SLOTS.labels(self.model).set(self.slots)
         batches = {row.batch_id for row in claimed}

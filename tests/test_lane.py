@@ -1,0 +1,302 @@
+"""The batch lane's controller (``workers.scheduler.lane``): windowed p95s from Prometheus bucket
+deltas, the AIMD decisions on made-up server readings, and the runner following the limit on a
+real database with a stand-in engine (the tests are about admission, not the model)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import Histogram as PromHistogram
+from sqlalchemy import select
+
+from offpeak.settings import LaneSettings, ModelConfig, SchedulerSettings, Settings
+from storage.db import session_scope
+from storage.models import RequestLine
+from tests.helpers import line, tenant_client, validate
+from workers.engine.base import EngineRequest, EngineResult
+from workers.engine.instant import InstantEngine
+from workers.planner import StepModel
+from workers.runner import Runner
+from workers.scheduler.lane import (
+    Histogram,
+    LaneController,
+    ServerSnapshot,
+    parse_snapshot,
+    victims,
+)
+
+BOUNDS = (0.01, 0.02, 0.04, 0.08, math.inf)
+
+
+def hist(*per_bucket: float) -> Histogram:
+    """A cumulative histogram from per-bucket counts over ``BOUNDS``."""
+    total, counts = 0.0, []
+    for c in per_bucket:
+        total += c
+        counts.append(total)
+    return Histogram(BOUNDS, tuple(counts))
+
+
+def test_quantile_interpolates_inside_the_bucket() -> None:
+    h = hist(0, 100, 0, 0, 0)  # every observation in (10 ms, 20 ms]
+    assert h.quantile(0.5) == pytest.approx(0.015)
+    assert h.quantile(0.95) == pytest.approx(0.0195)
+    assert hist(0, 0, 0, 0, 5).quantile(0.95) == 0.08  # +Inf: the highest finite bound
+    assert hist(0, 0, 0, 0, 0).quantile(0.95) is None
+
+
+def test_deltas_window_and_reset() -> None:
+    old, new = hist(50, 0, 0, 0, 0), hist(50, 0, 0, 10, 0)
+    delta = new.minus(old)
+    assert delta.count == 10 and delta.quantile(0.95) > 0.04
+    assert hist(1, 0, 0, 0, 0).minus(new) == hist(1, 0, 0, 0, 0)  # server restarted
+
+
+def test_parse_snapshot_of_vllm_names() -> None:
+    registry = CollectorRegistry()
+    itl = PromHistogram(
+        "vllm:inter_token_latency_seconds", "", ["engine"], buckets=BOUNDS[:-1], registry=registry
+    )
+    ttft = PromHistogram(
+        "vllm:time_to_first_token_seconds", "", ["engine"], buckets=BOUNDS[:-1], registry=registry
+    )
+    running = Gauge("vllm:num_requests_running", "", ["engine"], registry=registry)
+    waiting = Gauge("vllm:num_requests_waiting", "", ["engine"], registry=registry)
+    for engine in ("0", "1"):  # two engines behind one endpoint are summed
+        for _ in range(10):
+            itl.labels(engine).observe(0.015)
+        ttft.labels(engine).observe(0.05)
+        running.labels(engine).set(3)
+        waiting.labels(engine).set(1)
+    snap = parse_snapshot(generate_latest(registry).decode(), at=5.0)
+    assert snap.at == 5.0 and snap.running == 6 and snap.waiting == 2
+    assert snap.tpot is not None and snap.tpot.count == 20
+    assert snap.ttft is not None and snap.ttft.quantile(0.5) == pytest.approx(0.06)
+    with pytest.raises(ValueError, match="inter_token_latency"):
+        parse_snapshot("vllm:num_requests_running 1\n", at=0.0)
+
+
+class FakeServer:
+    """Readings of a server whose step is ``base + per_seq × running``: each ``advance`` adds
+    one interval's tokens at that latency and first tokens at twice it."""
+
+    def __init__(self, base: float = 0.01, per_seq: float = 0.002) -> None:
+        self.base, self.per_seq = base, per_seq
+        self.tpot = [0.0] * len(BOUNDS)
+        self.ttft = [0.0] * len(BOUNDS)
+        self.realtime = 2
+        self.waiting = 0.0
+        self.at = 0.0
+
+    def advance(self, seconds: float, in_flight: int) -> ServerSnapshot:
+        self.at += seconds
+        running = self.realtime + in_flight
+        step = self.base + self.per_seq * running
+        for values, latency, n in (
+            (self.tpot, step, running * seconds / step),
+            (self.ttft, 2 * step, self.realtime),
+        ):
+            i = next(i for i, b in enumerate(BOUNDS) if latency <= b)
+            values[i] += n
+        return self.snapshot(running)
+
+    def snapshot(self, running: int) -> ServerSnapshot:
+        cum = lambda v: Histogram(BOUNDS, tuple(sum(v[: i + 1]) for i in range(len(v))))  # noqa: E731
+        return ServerSnapshot(self.at, cum(self.tpot), cum(self.ttft), running, self.waiting)
+
+
+def lane(**changes: object) -> LaneSettings:
+    base = {"control_seconds": 1.0, "window_seconds": 3.0, "learn_seconds": 2.0}
+    return LaneSettings.model_validate(base | changes)
+
+
+def drive(controller: LaneController, server: FakeServer, steps: int) -> list[str]:
+    actions = []
+    for _ in range(steps):
+        snap = server.advance(1.0, controller.limit)
+        actions.append(controller.update(server.at, snap, controller.limit, urgent=False).action)
+    return actions
+
+
+def test_learns_baselines_then_starts_at_the_step_model() -> None:
+    server = FakeServer()
+    controller = LaneController(lane(), max_num_seqs=64, step_model=StepModel(10.0, 2.0))
+    actions = drive(controller, server, 3)
+    assert actions[0] == "learning" and controller.limit > 0 and "start" in actions
+    # Baseline: 2 real-time sequences alone -> 14 ms steps, in the (10, 20] ms bucket.
+    assert 0.01 < controller.baseline_tpot() <= 0.02
+    assert controller.tpot_target() == pytest.approx(2.4 * controller.baseline_tpot())
+    assert controller.ttft_target() is not None
+
+
+def test_aimd_settles_inside_the_target_and_halves_on_a_breach() -> None:
+    server = FakeServer()
+    settings = lane(tpot_p95_ms=40.0, ttft_p95_ms=160.0, learn_seconds=0.0)
+    controller = LaneController(settings, max_num_seqs=64, step_model=StepModel(10.0, 0.5))
+    drive(controller, server, 1)
+    # The step model is optimistic (0.5 ms per sequence; the server costs 2 ms): it starts
+    # above what the target allows, and the feedback brings it back inside.
+    assert controller.limit == 58
+    actions = drive(controller, server, 40)
+    assert "decrease" in actions
+    running = server.realtime + controller.limit
+    assert server.base + server.per_seq * running <= 0.04  # inside the target
+    assert controller.limit >= 4  # and not starved: 40 ms allows 13 sequences, 11 batch
+    server.waiting = 3  # real-time requests queue at the server
+    before = controller.limit
+    decision = controller.update(server.at + 1, server.advance(1, before), before, urgent=False)
+    assert decision.action == "decrease" and decision.limit == before // 2
+    assert "waiting" in decision.reason
+
+
+def test_increase_needs_the_lane_to_use_its_limit_and_stops_at_free_slots() -> None:
+    server = FakeServer(per_seq=0.0)
+    settings = lane(tpot_p95_ms=1000.0, ttft_p95_ms=1000.0, learn_seconds=0.0)
+    controller = LaneController(settings, max_num_seqs=10, step_model=StepModel(10.0, 0.0))
+    drive(controller, server, 1)
+    assert controller.limit == 8  # max_num_seqs 10 minus 2 real-time: never queue there
+    controller.limit = 4
+    for _ in range(4):  # only 1 line in flight: no reason to grow
+        snap = server.advance(1.0, 1)
+        assert controller.update(server.at, snap, 1, urgent=False).action == "hold"
+    drive(controller, server, 10)
+    assert controller.limit == 8
+
+
+def test_urgent_minimum_and_unreadable_server() -> None:
+    server = FakeServer(per_seq=0.05)  # every batch line breaches
+    settings = lane(tpot_p95_ms=20.0, learn_seconds=0.0, urgent_min=2, stale_seconds=3.0)
+    controller = LaneController(settings, max_num_seqs=64, step_model=StepModel(10.0, 2.0))
+    for _ in range(10):
+        snap = server.advance(1.0, controller.limit)
+        controller.update(server.at, snap, controller.limit, urgent=True)
+    assert controller.limit == 2
+    controller.limit = 5
+    held = controller.update(server.at + 1, None, 5, urgent=False)
+    assert held.action == "unreadable" and held.limit == 5  # holds while recent
+    dropped = controller.update(server.at + 5, None, 5, urgent=True)
+    assert dropped.limit == 2  # stale: the urgent minimum only
+
+
+def test_victims_newest_first_urgent_last() -> None:
+    running = {"1": "b_urgent", "2": "b_a", "3": "b_urgent", "4": "b_a"}
+    assert victims(running, 2, lambda b: b == "b_urgent") == ["4", "2"]
+    assert victims(running, 1, lambda b: b == "b_urgent") == ["4", "2", "3"]
+    assert victims(running, 4, lambda b: False) == []
+
+
+# --- The runner following the lane, on the real database ------------------------------------
+
+MODEL = "lane-model"
+
+
+class HoldingEngine(InstantEngine):
+    """Keeps every request for ``steps`` steps (a long decode), records the most in flight."""
+
+    def __init__(self, model_name: str, steps: int = 20) -> None:
+        super().__init__(model_name)
+        self.steps, self.age = steps, dict[str, int]()
+        self.most = 0
+        self.aborted: list[str] = []
+
+    def add(self, request: EngineRequest) -> None:
+        super().add(request)
+        self.age[request.request_id] = 0
+        self.most = max(self.most, len(self._queued))
+
+    def step(self) -> list[EngineResult]:
+        time.sleep(0.005)
+        for rid in self.age:
+            self.age[rid] += 1
+        done = {r for r, a in self.age.items() if a >= self.steps}
+        keep = {r: q for r, q in self._queued.items() if r not in done}
+        self._queued = {r: q for r, q in self._queued.items() if r in done}
+        results = super().step()
+        self._queued = keep
+        for r in done:
+            del self.age[r]
+        return results
+
+    def abort(self, request_ids: list[str]) -> None:
+        super().abort(request_ids)
+        self.aborted += request_ids
+        for r in request_ids:
+            self.age.pop(r, None)
+
+
+class ScriptedMetrics:
+    """A server that is inside the targets until ``breach`` is set, then far above them."""
+
+    def __init__(self, engine: HoldingEngine) -> None:
+        self.engine, self.breach = engine, threading.Event()
+        self.tpot = [0.0] * len(BOUNDS)
+
+    def read(self) -> ServerSnapshot:
+        running = self.engine.num_unfinished()
+        self.tpot[3 if self.breach.is_set() else 0] += 50
+        counts = tuple(sum(self.tpot[: i + 1]) for i in range(len(BOUNDS)))
+        return ServerSnapshot(time.monotonic(), Histogram(BOUNDS, counts), None, running, 0.0)
+
+
+@pytest.fixture()
+def lane_settings(settings: Settings) -> Settings:
+    policy = SchedulerSettings(
+        lane=LaneSettings(
+            enabled=True,
+            control_seconds=0.05,
+            window_seconds=0.2,
+            learn_seconds=0.0,
+            tpot_p95_ms=30.0,
+            additive_increase=2,
+            min_tokens=10,
+        )
+    )
+    return settings.model_copy(
+        update={
+            "models": {MODEL: ModelConfig(engine="instant", max_num_seqs=16)},
+            "flush_seconds": 0.05,
+            "scheduler": policy,
+        }
+    )
+
+
+def test_runner_follows_the_lane_and_aborts_back_to_pending(lane_settings: Settings) -> None:
+    tenant, _ = tenant_client(lane_settings)
+    lines = [line(f"r{i}", model=MODEL) for i in range(200)]
+    batch, _ = validate(lane_settings, b"\n".join(lines), tenant_name=tenant)
+    engine = HoldingEngine(MODEL)
+    metrics = ScriptedMetrics(engine)
+    runner = Runner(
+        lane_settings,
+        engine,
+        "lane-w1",
+        lambda _b: None,
+        step_model=StepModel(10.0, 5.0),  # 30 ms allows 4 sequences: the lane starts at 4
+        lane_metrics=metrics,
+    )
+    timer = threading.Timer(1.0, metrics.breach.set)
+    timer.start()
+    try:
+        # ``until`` is asked only when nothing runs: after the breach drove the lane to zero.
+        stats = runner.run(until=lambda: metrics.breach.is_set() and runner.slots == 0)
+    finally:
+        timer.cancel()
+    assert stats.outcome == "stopped" and stats.requests > 0
+    decisions = list(runner.lane_decisions)
+    assert decisions[0].action == "start" and decisions[0].limit == 4
+    limits = [d.limit for d in decisions]
+    assert max(limits) > 4  # grew inside the targets (up to max_num_seqs 16)
+    assert engine.most <= max(limits)  # never more in flight than the lane allowed
+    assert any(d.action == "decrease" for d in decisions) and limits[-1] == 0
+    assert engine.aborted, "the breach aborted running lines"
+    with session_scope(lane_settings.resolved_database_url) as session:
+        rows = session.execute(
+            select(RequestLine.status, RequestLine.attempts).where(RequestLine.batch_id == batch.id)
+        ).all()
+    statuses = {s for s, _ in rows}
+    assert "failed" not in statuses and "pending" in statuses
+    assert all(a == 0 for s, a in rows if s == "pending")  # an abort is not an attempt

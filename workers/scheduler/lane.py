@@ -1,0 +1,465 @@
+"""The batch lane's controller: how many batch requests are in flight at a shared real-time server.
+
+When batch lines run *through* the real-time vLLM server (a remote engine, issue 11), every
+running sequence shares the server's decode steps, so each batch line in flight slows every
+real-time user a little; a batch line waiting at the server delays real-time prefills. The lane
+keeps the real-time users inside three targets, read every ``control_seconds`` from the server's
+Prometheus ``/metrics``:
+
+- **TPOT p95**: the windowed p95 of ``vllm:inter_token_latency_seconds`` (vLLM 0.32; older
+  servers: ``vllm:time_per_output_token_seconds``). Every running sequence gets one token per
+  step, so the server's inter-token latency is the real-time users' too.
+- **TTFT p95**: the windowed p95 of ``vllm:time_to_first_token_seconds`` (every request's, the
+  batch lane's included: batch lines rank below real-time ones, so theirs is at least as long and
+  the reading errs on the real-time side).
+- **real-time waiting**: ``vllm:num_requests_waiting``. The lane never puts more lines in flight
+  than the server has free sequence slots (``max_num_seqs`` minus real-time running), so what
+  waits there is real-time work.
+
+Windowed p95s come from histogram bucket deltas between two scrapes (linear inside a bucket, as
+PromQL's ``histogram_quantile``), over the last ``window_seconds`` but never across the last
+change of the limit, so a decision is judged on what followed it.
+
+The targets default to ``ratio × baseline``: the seed's per-user speed floor
+(``shared/seed/serving-models.txt``, worked example: 40 tokens/s on a step of 10 ms + 0.4 ms per
+sequence) lets each user's step grow from 10.4 ms (alone) to 25 ms, a ratio of 2.4. The baseline
+is the real-time latency with no batch work, measured by the controller itself: p95 over every
+interval in which the lane had nothing in flight (the lane starts empty for ``learn_seconds``
+to get one). Until TPOT is measured the step model's ``step_ms(1)`` stands in (``offpeak
+calibrate``; the seed's otherwise); until TTFT is, TTFT is not judged. Explicit baselines or
+targets in ``LaneSettings`` override both.
+
+The decision (``LaneController.update``): the first limit is the step model's "largest batch at
+the floor" minus the real-time sequences running; then AIMD: ``+additive_increase`` while every
+reading is below ``(1 - hold_band) ×`` its target and the lane uses its limit, hold inside the
+band, ``× decrease_factor`` on a breach or when real-time requests wait (the runner aborts the
+newest batch lines above the new limit: back to pending, not failed). Urgent batches (deadline
+guard) keep ``urgent_min`` lines in flight whatever the readings. An unreadable server holds the
+limit for ``stale_seconds``, then drops it to the urgent minimum.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from offpeak.settings import LaneSettings
+from workers.planner import StepModel, largest_batch
+
+log = logging.getLogger(__name__)
+
+#: Histogram names, first match wins: vLLM 0.32's, then the older servers'.
+TPOT_HISTOGRAMS = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+TTFT_HISTOGRAMS = ("vllm:time_to_first_token_seconds",)
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+
+
+# --- Readings ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A cumulative Prometheus histogram: ``counts[i]`` observations ≤ ``bounds[i]`` (seconds),
+    the last bound ``inf``; summed over label sets."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[float, ...]
+
+    @property
+    def count(self) -> float:
+        return self.counts[-1] if self.counts else 0.0
+
+    def minus(self, earlier: Histogram | None) -> Histogram:
+        """Observations since ``earlier`` (a counter reset, e.g. a server restart, gives
+        everything since the restart)."""
+        if earlier is None or earlier.bounds != self.bounds or earlier.count > self.count:
+            return self
+        return Histogram(
+            self.bounds, tuple(a - b for a, b in zip(self.counts, earlier.counts, strict=True))
+        )
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile in seconds, linear inside its bucket (PromQL's
+        ``histogram_quantile``); the highest finite bound when it falls in ``+Inf``; ``None``
+        with no observations."""
+        total = self.count
+        if total <= 0:
+            return None
+        rank = q * total
+        lower_bound, lower_count = 0.0, 0.0
+        for bound, count in zip(self.bounds, self.counts, strict=True):
+            if count >= rank:
+                if math.isinf(bound):
+                    return lower_bound
+                if count == lower_count:
+                    return bound
+                return lower_bound + (bound - lower_bound) * (rank - lower_count) / (
+                    count - lower_count
+                )
+            lower_bound, lower_count = bound, count
+        return lower_bound
+
+
+@dataclass(frozen=True)
+class ServerSnapshot:
+    """One scrape of the real-time server: ``at`` (monotonic seconds), the TPOT and TTFT
+    histograms (``None`` when not exposed) and the running/waiting gauges (requests)."""
+
+    at: float
+    tpot: Histogram | None
+    ttft: Histogram | None
+    running: float
+    waiting: float
+
+
+def parse_snapshot(text: str, at: float) -> ServerSnapshot:
+    """A ``ServerSnapshot`` from Prometheus text exposition (several engines or models behind
+    one endpoint are summed). Raises ``ValueError`` for text that does not parse or exposes
+    neither TPOT histogram."""
+    buckets: dict[str, dict[float, float]] = {}
+    gauges: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                base = sample.name.removesuffix("_bucket")
+                le = float(sample.labels.get("le", "inf"))
+                per = buckets.setdefault(base, {})
+                per[le] = per.get(le, 0.0) + sample.value
+            elif sample.name in (WAITING, RUNNING) and not math.isnan(sample.value):
+                gauges[sample.name] = gauges.get(sample.name, 0.0) + sample.value
+
+    def histogram(names: tuple[str, ...]) -> Histogram | None:
+        for name in names:
+            if name in buckets:
+                items = sorted(buckets[name].items())
+                return Histogram(tuple(b for b, _ in items), tuple(c for _, c in items))
+        return None
+
+    tpot = histogram(TPOT_HISTOGRAMS)
+    if tpot is None:
+        raise ValueError(f"the metrics expose none of {', '.join(TPOT_HISTOGRAMS)}")
+    return ServerSnapshot(
+        at, tpot, histogram(TTFT_HISTOGRAMS), gauges.get(RUNNING, 0.0), gauges.get(WAITING, 0.0)
+    )
+
+
+class ServerMetrics(Protocol):
+    def read(self) -> ServerSnapshot | None:
+        """The latest snapshot, or ``None`` when the server cannot be read."""
+        ...
+
+
+class PrometheusServer:
+    """Scrapes a vLLM server's ``/metrics`` (``url``) on a thread of its own every
+    ``poll_seconds``, so a slow server never stalls the runner's loop; ``read`` returns the
+    latest snapshot, ``None`` when the last scrape failed or is older than ``stale_seconds``."""
+
+    def __init__(self, url: str, poll_seconds: float, timeout_seconds: float, stale_seconds: float):
+        self.url, self.poll_seconds = url, poll_seconds
+        self.timeout_seconds, self.stale_seconds = timeout_seconds, stale_seconds
+        self._latest: ServerSnapshot | None = None
+        self._error: str | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._first = threading.Event()
+
+    def scrape(self) -> ServerSnapshot:
+        """One scrape now. Raises ``OSError`` (unreachable) or ``ValueError`` (bad text)."""
+        with urllib.request.urlopen(self.url, timeout=self.timeout_seconds) as response:
+            text = response.read().decode("utf-8", errors="replace")
+        return parse_snapshot(text, time.monotonic())
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self._latest, self._error = self.scrape(), None
+            except (OSError, ValueError) as exc:
+                if self._error is None:
+                    log.warning("lane: cannot read %s: %s", self.url, exc)
+                self._error = str(exc)
+            self._first.set()
+            self._stop.wait(max(0.0, self.poll_seconds - (time.monotonic() - started)))
+
+    def read(self) -> ServerSnapshot | None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="lane-metrics", daemon=True)
+            self._thread.start()
+            self._first.wait(self.timeout_seconds + 1.0)
+        latest = self._latest
+        if self._error is not None or latest is None:
+            return None
+        if time.monotonic() - latest.at > self.stale_seconds:
+            return None
+        return latest
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+# --- The decision ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaneDecision:
+    """One control interval's decision: the new ``limit`` (batch requests in flight), why, and
+    the readings it was taken on (seconds; ``None`` when not measured)."""
+
+    limit: int
+    previous: int
+    action: str  # start | increase | hold | decrease | unreadable | learning | off
+    reason: str
+    in_flight: int
+    realtime_running: int
+    waiting: float
+    tpot_p95: float | None
+    ttft_p95: float | None
+    tpot_target: float | None
+    ttft_target: float | None
+
+    def explain(self) -> str:
+        def ms(x: float | None) -> str:
+            return "n/a" if x is None else f"{1000 * x:.0f} ms"
+
+        return (
+            f"lane {self.previous} -> {self.limit} ({self.action}: {self.reason}); "
+            f"TPOT p95 {ms(self.tpot_p95)} / target {ms(self.tpot_target)}, TTFT p95 "
+            f"{ms(self.ttft_p95)} / target {ms(self.ttft_target)}, real-time running "
+            f"{self.realtime_running}, waiting {self.waiting:g}, batch in flight {self.in_flight}"
+        )
+
+
+@dataclass
+class _Baseline:
+    """Histogram observations gathered while the lane had nothing in flight."""
+
+    tpot: Histogram | None = None
+    ttft: Histogram | None = None
+
+    def add(self, name: str, delta: Histogram | None) -> None:
+        if delta is None or delta.count <= 0:
+            return
+        old = getattr(self, name)
+        if old is None or old.bounds != delta.bounds:
+            setattr(self, name, delta)
+        else:
+            counts = tuple(a + b for a, b in zip(old.counts, delta.counts, strict=True))
+            setattr(self, name, Histogram(delta.bounds, counts))
+
+
+@dataclass
+class LaneController:
+    """The AIMD controller of the module docstring. Pure: ``update`` takes a snapshot (or
+    ``None``: unreadable), the batch lines in flight and whether urgent lines are held, at
+    monotonic time ``at``; no I/O, so tests and the simulation drive it with made-up readings."""
+
+    settings: LaneSettings
+    max_num_seqs: int
+    step_model: StepModel = field(default_factory=StepModel)
+    limit: int = 0
+    started_at: float | None = None
+    _history: deque[ServerSnapshot] = field(default_factory=deque)
+    _changed_at: float = -math.inf
+    _started: bool = False
+    _last_read_at: float | None = None
+    _last_empty: ServerSnapshot | None = None
+    _baseline: _Baseline = field(default_factory=_Baseline)
+
+    # Targets ----------------------------------------------------------------------------------
+
+    def baseline_tpot(self) -> float:
+        """Seconds: the set baseline, else the p95 measured with the lane empty (once it has
+        ``min_tokens`` observations), else the step model's one-sequence step."""
+        s = self.settings
+        if s.baseline_tpot_ms is not None:
+            return s.baseline_tpot_ms / 1000
+        h = self._baseline.tpot
+        if h is not None and h.count >= s.min_tokens:
+            p95 = h.quantile(0.95)
+            if p95:
+                return p95
+        return self.step_model.step_ms(1) / 1000
+
+    def baseline_ttft(self) -> float | None:
+        s = self.settings
+        if s.baseline_ttft_ms is not None:
+            return s.baseline_ttft_ms / 1000
+        h = self._baseline.ttft
+        if h is not None and h.count >= s.min_requests:
+            return h.quantile(0.95)
+        return None
+
+    def tpot_target(self) -> float:
+        s = self.settings
+        if s.tpot_p95_ms is not None:
+            return s.tpot_p95_ms / 1000
+        return s.tpot_ratio * self.baseline_tpot()
+
+    def ttft_target(self) -> float | None:
+        s = self.settings
+        if s.ttft_p95_ms is not None:
+            return s.ttft_p95_ms / 1000
+        base = self.baseline_ttft()
+        return None if base is None else s.ttft_ratio * base
+
+    def model_limit(self, realtime_running: int) -> int:
+        """The step model's answer: the largest batch whose step stays within the TPOT target
+        (the seed's "largest batch at the floor"), minus the real-time sequences running."""
+        floor = 1.0 / self.tpot_target()
+        total = largest_batch(self.step_model, floor, memory_limit=self.max_num_seqs)
+        return max(0, total - realtime_running)
+
+    # Decision ---------------------------------------------------------------------------------
+
+    def _window_start(self, at: float) -> ServerSnapshot | None:
+        since = max(at - self.settings.window_seconds, self._changed_at)
+        for snap in self._history:
+            if snap.at >= since - 1e-9:
+                return snap
+        return None
+
+    def update(
+        self, at: float, snapshot: ServerSnapshot | None, in_flight: int, urgent: bool
+    ) -> LaneDecision:
+        """The limit for the next interval (see the module docstring)."""
+        s = self.settings
+        previous = self.limit
+        if self.started_at is None:
+            self.started_at = at
+        floor = s.urgent_min if urgent else 0
+        if snapshot is None:
+            stale = self._last_read_at is None or at - self._last_read_at > s.stale_seconds
+            if stale:
+                self.limit = floor
+            return self._decide(previous, "unreadable", "metrics unreadable", in_flight, 0, 0.0)
+        self._last_read_at = at
+        self._learn(snapshot, in_flight)
+        self._history.append(snapshot)
+        while self._history and self._history[0].at < at - 2 * s.window_seconds:
+            self._history.popleft()
+        rt_running = max(0, round(snapshot.running) - in_flight)
+        room = max(0, self.max_num_seqs - rt_running)  # never queue batch lines at the server
+        start = self._window_start(snapshot.at)
+        tpot = ttft = None
+        if start is not None and start is not snapshot:
+            tpot_delta = snapshot.tpot.minus(start.tpot) if snapshot.tpot else None
+            if tpot_delta is not None and tpot_delta.count >= s.min_tokens:
+                tpot = tpot_delta.quantile(0.95)
+            ttft_delta = snapshot.ttft.minus(start.ttft) if snapshot.ttft else None
+            if ttft_delta is not None and ttft_delta.count >= s.min_requests:
+                ttft = ttft_delta.quantile(0.95)
+        tpot_target, ttft_target = self.tpot_target(), self.ttft_target()
+        args = (in_flight, rt_running, snapshot.waiting, tpot, ttft, tpot_target, ttft_target)
+
+        if not self._started:
+            learning = self.baseline_ttft() is None or (
+                s.baseline_tpot_ms is None and s.tpot_p95_ms is None and self._baseline.tpot is None
+            )
+            if learning and at - self.started_at < s.learn_seconds:
+                self.limit = floor
+                return self._decide(previous, "learning", "measuring the baseline", *args)
+            self._started = True
+            self.limit = max(floor, min(room, self.model_limit(rt_running)))
+            self._changed_at = snapshot.at
+            return self._decide(previous, "start", "step model's largest batch at target", *args)
+
+        breaches = []
+        if snapshot.waiting > s.max_waiting:
+            breaches.append(f"{snapshot.waiting:g} real-time requests waiting")
+        if tpot is not None and tpot > tpot_target:
+            breaches.append("TPOT p95 above target")
+        if ttft is not None and ttft_target is not None and ttft > ttft_target:
+            breaches.append("TTFT p95 above target")
+        if breaches:
+            self.limit = max(floor, min(math.floor(self.limit * s.decrease_factor), room))
+            if self.limit != previous:
+                self._changed_at = snapshot.at
+            return self._decide(previous, "decrease", "; ".join(breaches), *args)
+        below = 1.0 - s.hold_band
+        inside = (
+            tpot is not None
+            and tpot <= below * tpot_target
+            and (ttft is None or ttft_target is None or ttft <= below * ttft_target)
+        )
+        if self.limit > room:
+            self.limit = max(floor, room)
+            self._changed_at = snapshot.at
+            return self._decide(previous, "decrease", "real-time took the free slots", *args)
+        if inside and in_flight >= self.limit and self.limit < room:
+            self.limit = min(room, self.limit + s.additive_increase)
+            self._changed_at = snapshot.at
+            return self._decide(previous, "increase", "inside targets", *args)
+        self.limit = max(self.limit, floor)
+        reason = (
+            "too few samples"
+            if tpot is None
+            else "lane not using its limit"
+            if inside
+            else "inside the hold band"
+        )
+        return self._decide(previous, "hold", reason, *args)
+
+    def _learn(self, snapshot: ServerSnapshot, in_flight: int) -> None:
+        """Add the interval since the last empty-lane snapshot to the baseline when the lane
+        was empty at both ends."""
+        if in_flight > 0:
+            self._last_empty = None
+            return
+        if self._last_empty is not None:
+            if snapshot.tpot is not None:
+                self._baseline.add("tpot", snapshot.tpot.minus(self._last_empty.tpot))
+            if snapshot.ttft is not None:
+                self._baseline.add("ttft", snapshot.ttft.minus(self._last_empty.ttft))
+        self._last_empty = snapshot
+
+    def _decide(
+        self,
+        previous: int,
+        action: str,
+        reason: str,
+        in_flight: int,
+        rt_running: int,
+        waiting: float,
+        tpot: float | None = None,
+        ttft: float | None = None,
+        tpot_target: float | None = None,
+        ttft_target: float | None = None,
+    ) -> LaneDecision:
+        return LaneDecision(
+            self.limit, previous, action, reason, in_flight, rt_running, waiting, tpot, ttft,
+            tpot_target, ttft_target,
+        )  # fmt: skip
+
+
+def metrics_url(settings: LaneSettings, engine_url: str | None, fallback: str) -> str:
+    """Where the lane reads the real-time server: the setting, else the remote engine's server
+    (``<url>/metrics``, the URL's ``/v1`` suffix dropped), else the Prometheus signal's URL."""
+    if settings.metrics_url:
+        return settings.metrics_url
+    if engine_url:
+        base = engine_url.rstrip("/").removesuffix("/v1")
+        return f"{base}/metrics"
+    return fallback
+
+
+def victims(running: Mapping[str, str], keep: int, urgent: Callable[[str], bool]) -> list[str]:
+    """Request ids to abort so that ``keep`` stay in flight: newest first (``running`` is in
+    admission order, id → batch id), lines of non-urgent batches before urgent ones."""
+    excess = len(running) - keep
+    if excess <= 0:
+        return []
+    newest = list(reversed(running))
+    ordered = [r for r in newest if not urgent(running[r])] + [
+        r for r in newest if urgent(running[r])
+    ]
+    return ordered[:excess]
