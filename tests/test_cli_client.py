@@ -588,3 +588,24 @@ def test_a_relative_data_folder_is_resolved_once_and_a_missing_one_fails_in_one_
     out = result.stdout + result.stderr
     assert "Traceback" not in out and len(out.strip().splitlines()) == 1, out
     assert f"the folder {elsewhere / 'relative-data'} does not exist" in out
+
+
+def test_a_host_that_cannot_load_the_tokenizer_validates_without_an_estimate(
+    settings: Settings, tenant: Tenant, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The estimate is advice: a model whose folder this control worker cannot open (a real
+    engine configured with a path that does not exist here) still validates and runs."""
+    broken = "cli-no-folder-model"
+    settings = settings.model_copy(
+        update={"models": {**settings.models, broken: ModelConfig(path="/nonexistent/model")}}
+    )
+    file = tenant.sdk.files.create(file=("in.jsonl", jsonl(line("a", broken))), purpose="batch")
+    batch = tenant.sdk.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    with caplog.at_level("WARNING", logger="workers.estimate"):
+        validate(settings, batch.id)
+    validated = tenant.sdk.batches.retrieve(batch.id)
+    assert validated.status == "in_progress"
+    assert (validated.model_extra or {}).get("estimate") is None
+    assert any("no cost estimate" in r.getMessage() for r in caplog.records)

@@ -83,11 +83,11 @@ def _load(name: str, config_json: str, cache_dir: str) -> Tokenizer:
         from workers.engine.instant import InstantEngine
 
         return InstantEngine(name, config.max_model_len)
-    from transformers import AutoTokenizer
-
     from workers.model_store import ensure_model
 
-    folder = ensure_model(name, config, Path(cache_dir))
+    folder = ensure_model(name, config, Path(cache_dir))  # before the slow import: it may fail
+    from transformers import AutoTokenizer
+
     size = None
     if config.runner == "pooling":
         size = int(orjson.loads((folder / "config.json").read_bytes())["hidden_size"])
