@@ -203,7 +203,7 @@ def test_download_without_output_exits_6_and_cancel_of_an_ended_batch_is_refused
         CliRunner().invoke(cli.app, ["cancel", batch.id], catch_exceptions=False)
 
 
-def test_the_console_entry_point_exits_1_on_an_api_error_and_7_when_unreachable() -> None:
+def test_the_console_entry_point_exits_7_when_the_api_is_unreachable() -> None:
     env = {**os.environ, "OPENAI_API_KEY": "sk-offpeak-nothing"}
     # Nothing listens on port 9 (discard) here: the SDK cannot connect.
     env["OPENAI_BASE_URL"] = "http://127.0.0.1:9/v1"
@@ -217,6 +217,17 @@ def test_the_console_entry_point_exits_1_on_an_api_error_and_7_when_unreachable(
     assert unreachable.returncode == exit_codes.UNREACHABLE == 7, unreachable.stderr
     assert "cannot reach the Offpeak API" in unreachable.stdout
     assert "Traceback" not in unreachable.stdout + unreachable.stderr
+
+
+def test_an_api_error_is_one_line_and_exit_1(
+    tenant: Tenant, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["offpeak", "status", "batch_nonexistent"])
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    assert exited.value.code == exit_codes.ERROR == 1
+    out = capsys.readouterr().out
+    assert "error 404" in out and "batch_nonexistent" in out and "Traceback" not in out
 
 
 # --- list, cancel, keys ---------------------------------------------------------------------
