@@ -111,6 +111,12 @@ def worker(
 
     node = f"{role}-{os.getpid()}@{socket.gethostname()}"
     if role == "control":
+        import threading
+
+        from workers import estimate
+
+        # Validation counts prompt tokens with each model's tokenizer: load them meanwhile.
+        threading.Thread(target=estimate.warm, args=(settings,), daemon=True).start()
         argv = [
             "worker",
             "-Q",
