@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bench.harness import RESULTS_DIR
 
 
@@ -94,5 +96,61 @@ def draw(results: Path | None, output: Path) -> Path:
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=110)
+    plt.close(fig)
+    return output
+
+
+def draw_colocate(result: dict[str, Any], output: Path) -> Path:
+    """One row per leg of ``bench colocate``: each real-time request's TTFT and TPOT at its
+    send time (ms, log scale) against the targets, and batch output tokens/s in 5 s bins."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    titles = {
+        "a": "(a) real-time alone",
+        "b": "(b) + batch, lane off (max_num_seqs in flight)",
+        "c": "(c) + batch, lane controller at its defaults",
+        "d": "(d) batch alone",
+    }
+    legs = result["timelines"]
+    fig, axes = plt.subplots(len(legs), 1, figsize=(12, 2.6 * len(legs)), squeeze=False)
+    targets = result["targets"]
+    phase = result["params"]["phase_seconds"]
+    for ax, (leg, timeline) in zip(axes[:, 0], legs.items(), strict=True):
+        rt = timeline["realtime"]
+        if rt:
+            at = [r[0] for r in rt]
+            ax.scatter(at, [1000 * r[1] for r in rt], s=8, color="#c77c3a", label="TTFT")
+            tpot = [(r[0], 1000 * r[2]) for r in rt if r[2] is not None]
+            if tpot:
+                ax.scatter(*zip(*tpot, strict=True), s=8, color="#2f6db5", label="TPOT")
+        for key, color in (("ttft_p95_s", "#c77c3a"), ("tpot_p95_s", "#2f6db5")):
+            if targets.get(key):
+                ax.axhline(1000 * targets[key], color=color, ls="--", lw=1)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms")
+        if leg != "d":
+            for boundary in (phase, 2 * phase):
+                ax.axvline(boundary, color="#888888", lw=0.8)
+        batch = timeline["batch_tokens"]
+        twin = ax.twinx()
+        if batch:
+            end = max(a for a, _ in batch)
+            bins = np.arange(0, end + 5, 5.0)
+            sums, _ = np.histogram([a for a, _ in batch], bins, weights=[t for _, t in batch])
+            twin.step(bins[:-1], sums / 5.0, where="post", color="#2a9d4b", label="batch tok/s")
+        twin.set_ylabel("batch tokens/s", color="#2a9d4b")
+        ax.set_title(titles.get(leg, leg), fontsize=10)
+        ax.legend(loc="upper left", fontsize=8)
+    axes[-1, 0].set_xlabel("seconds (phases: quiet | busy | quiet)")
+    fig.suptitle(
+        "Co-serving through one vllm serve (2-core CPU): real-time latency per request, "
+        "batch tokens/s; dashed: targets"
+    )
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=100)
     plt.close(fig)
     return output

@@ -177,8 +177,9 @@ class LaneSettings(BaseModel):
     many batch requests are in flight at a real-time server the batch lines run through.
 
     Targets are real-time p95s. Unset, each is ``ratio × baseline``, the baseline being the
-    real-time latency with no batch work, measured by the controller while the lane is empty
-    (TPOT falls back to the step model's one-sequence step until measured)."""
+    real-time latency with no batch work, measured by the controller in its first
+    ``learn_seconds`` with the lane empty (TPOT falls back to the step model's one-sequence step
+    until measured)."""
 
     #: ``None``: on for remote engines (``engine: remote``), off for in-process ones; ``False``
     #: is the off switch (the runner then feeds the engine ``max_num_seqs`` lines, as before).

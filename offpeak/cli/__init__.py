@@ -20,7 +20,12 @@ from rich.console import Console
 from offpeak.cli import batch_commands
 from offpeak.cli.bench import bench_app
 from offpeak.cli.plan import calibrate_command, plan_app, simulate_app
-from offpeak.cli.sched import pause_command, resume_command, simulate_day_command
+from offpeak.cli.sched import (
+    pause_command,
+    resume_command,
+    simulate_colocate_command,
+    simulate_day_command,
+)
 from offpeak.cli.webhooks import webhooks_app
 from offpeak.settings import get_settings
 
@@ -363,6 +368,7 @@ app.command("calibrate")(calibrate_command)
 app.command("pause")(pause_command)
 app.command("resume")(resume_command)
 simulate_app.command("day")(simulate_day_command)
+simulate_app.command("colocate")(simulate_colocate_command)
 
 
 def _database_folder_problem(exc: Exception) -> str | None:

@@ -96,6 +96,27 @@ def embeddings(
     module.run(inputs, small, large, memory, out)
 
 
+@bench_app.command("colocate")
+def colocate(
+    quick: Annotated[
+        bool, typer.Option("--quick", help="15 s phases, two calibration sizes: a smoke test.")
+    ] = False,
+    phase_seconds: Annotated[
+        float | None, typer.Option(help="Seconds per real-time phase (default 60, quick 15).")
+    ] = None,
+    plot: Annotated[Path, typer.Option(help="The timeline plot's path.")] = Path(
+        "docs/colocate.png"
+    ),
+    seed: Annotated[int, typer.Option(help="Random seed (arrivals, reply lengths).")] = 0,
+    out: OutDir = None,
+) -> None:
+    """Co-serving through one real vllm serve: real-time alone, + batch with the lane off,
+    + batch with the lane controller, batch alone (about 12 minutes; run it under flock)."""
+    from bench import colocate as module
+
+    module.run(quick, phase_seconds, out, plot, seed)
+
+
 @bench_app.command("plot")
 def plot(
     results: Annotated[Path | None, typer.Option(help="Folder of the JSON results.")] = None,

@@ -3,7 +3,8 @@
 ``pause``/``resume`` flip the admin switch in the database (the same switch as
 ``POST /v1/admin/scheduler/pause``), so they work wherever the settings reach the database, API up
 or not. ``simulate day`` replays a day of real-time load and batch arrivals through the real
-scheduler on a virtual clock (``workers.sim.day``).
+scheduler on a virtual clock (``workers.sim.day``); ``simulate colocate`` runs the batch lane's
+controller against a simulated shared real-time server (``workers.sim.colocate``).
 """
 
 from __future__ import annotations
@@ -187,3 +188,65 @@ def _print_day(report) -> None:  # type: ignore[no-untyped-def]
     console = Console()
     for line in lines:
         console.print(line, highlight=False, soft_wrap=True)
+
+
+def simulate_colocate_command(
+    base_ms: Annotated[float, typer.Option(help="Fixed ms of one decode step.")] = 10.0,
+    per_seq_ms: Annotated[float, typer.Option(help="Extra ms per running sequence.")] = 0.4,
+    max_num_seqs: Annotated[int, typer.Option(help="The server's sequence limit.")] = 256,
+    phase_seconds: Annotated[float, typer.Option(help="Seconds of each phase.")] = 300.0,
+    quiet: Annotated[
+        float, typer.Option(help="Quiet real-time rate, a fraction of the real-time capacity.")
+    ] = 0.2,
+    busy: Annotated[
+        float, typer.Option(help="Busy real-time rate, a fraction of the real-time capacity.")
+    ] = 0.8,
+    seed: Annotated[int, typer.Option(help="Random seed (arrivals).")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """The batch lane's controller against a simulated real-time server sharing its steps
+    (default: the seed's GPU-like 10 ms + 0.4 ms per sequence): real-time alone, batch with the
+    lane off, batch with the lane at the configured settings; per phase quiet, busy, quiet."""
+    from workers.sim.colocate import ColocateParams, simulate_colocate
+
+    try:
+        params = ColocateParams(
+            base_ms=base_ms,
+            per_seq_ms=per_seq_ms,
+            max_num_seqs=max_num_seqs,
+            phase_seconds=phase_seconds,
+            quiet=quiet,
+            busy=busy,
+            seed=seed,
+        )
+        summary = simulate_colocate(params, get_settings().scheduler.lane)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    if as_json:
+        typer.echo(json.dumps(summary))
+        return
+    console = Console()
+    console.print(
+        f"step {base_ms:g} ms + {per_seq_ms:g} ms x sequences, max_num_seqs {max_num_seqs}; TPOT "
+        f"target {1000 * summary['tpot_target_s']:.1f} ms -> {summary['floor_batch']} sequences "
+        "at the floor",
+        highlight=False,
+    )
+
+    def ms(x: float | None) -> str:
+        return "   n/a" if x is None else f"{1000 * x:6.1f}"
+
+    console.print(
+        "leg phase        rt/s  served  TTFT p95  TPOT p50  TPOT p95  batch tok/s  bound tok/s",
+        highlight=False,
+    )
+    for leg, phases in summary["legs"].items():
+        for ph in phases:
+            console.print(
+                f"({leg}) {ph['name']:<11} {ph['rate_per_s']:5.2f} {ph['served']:7d}  "
+                f"{ms(ph['ttft_p95'])}    {ms(ph['tpot_p50'])}    {ms(ph['tpot_p95'])}  "
+                f"{ph['batch_tokens_per_s']:11,.0f}  {ph['bound_tokens_per_s']:11,.0f}",
+                highlight=False,
+            )
+    harvest = ", ".join("n/a" if h is None else f"{100 * h:.0f}%" for h in summary["harvest"])
+    console.print(f"harvest (c) per phase, batch tokens/s over the bound: {harvest}")

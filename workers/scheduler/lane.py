@@ -23,19 +23,22 @@ change of the limit, so a decision is judged on what followed it.
 The targets default to ``ratio × baseline``: the seed's per-user speed floor
 (``shared/seed/serving-models.txt``, worked example: 40 tokens/s on a step of 10 ms + 0.4 ms per
 sequence) lets each user's step grow from 10.4 ms (alone) to 25 ms, a ratio of 2.4. The baseline
-is the real-time latency with no batch work, measured by the controller itself: p95 over every
-interval in which the lane had nothing in flight (the lane starts empty for ``learn_seconds``
-to get one). Until TPOT is measured the step model's ``step_ms(1)`` stands in (``offpeak
-calibrate``; the seed's otherwise); until TTFT is, TTFT is not judged. Explicit baselines or
-targets in ``LaneSettings`` override both.
+is the real-time latency with no batch work, measured by the controller itself: p95 over the
+first ``learn_seconds``, in which the lane keeps nothing in flight (measured once: an empty lane
+later, after a breach or in a busy spell, would measure the real-time load instead). Until TPOT
+is measured the step model's ``step_ms(1)`` stands in (``offpeak calibrate``; the seed's
+otherwise); until TTFT is, TTFT is not judged. Explicit baselines or targets in ``LaneSettings``
+override both.
 
 The decision (``LaneController.update``): the first limit is the step model's "largest batch at
-the floor" minus the real-time sequences running; then AIMD: ``+additive_increase`` while every
-reading is below ``(1 - hold_band) ×`` its target and the lane uses its limit, hold inside the
-band, ``× decrease_factor`` on a breach or when real-time requests wait (the runner aborts the
-newest batch lines above the new limit: back to pending, not failed). Urgent batches (deadline
-guard) keep ``urgent_min`` lines in flight whatever the readings. An unreadable server holds the
-limit for ``stale_seconds``, then drops it to the urgent minimum.
+the floor" minus the real-time sequences running; then AIMD: while every reading is below ``(1 -
+hold_band) ×`` its target and the lane uses its limit, ×1.5 back up to the step model's answer
+(short of the last breach's limit while the real-time load is the same), beyond it
+``+additive_increase``; hold inside the band, ``× decrease_factor`` on a breach or when real-
+time requests wait (the runner aborts the newest batch lines above the new limit: back to
+pending, not failed). Urgent batches (deadline guard) keep ``urgent_min`` lines in flight
+whatever the readings. An unreadable server holds the limit for ``stale_seconds``, then drops it
+to the urgent minimum.
 """
 
 from __future__ import annotations
@@ -274,6 +277,10 @@ class LaneController:
     _last_read_at: float | None = None
     _last_empty: ServerSnapshot | None = None
     _baseline: _Baseline = field(default_factory=_Baseline)
+    #: The limit of the last breach and the real-time sequences running then: fast growth
+    #: stops short of it until the real-time load has changed.
+    _breach_limit: int | None = None
+    _breach_realtime: int = 0
 
     # Targets ----------------------------------------------------------------------------------
 
@@ -343,7 +350,10 @@ class LaneController:
                 self.limit = floor
             return self._decide(previous, "unreadable", "metrics unreadable", in_flight, 0, 0.0)
         self._last_read_at = at
-        self._learn(snapshot, in_flight)
+        if not self._started:
+            # Only before the lane starts: an empty lane later (after a breach, in a busy
+            # spell) would measure the real-time load, not the speed without batch work.
+            self._learn(snapshot, in_flight)
         self._history.append(snapshot)
         while self._history and self._history[0].at < at - 2 * s.window_seconds:
             self._history.popleft()
@@ -381,6 +391,7 @@ class LaneController:
         if ttft is not None and ttft_target is not None and ttft > ttft_target:
             breaches.append("TTFT p95 above target")
         if breaches:
+            self._breach_limit, self._breach_realtime = self.limit, rt_running
             self.limit = max(floor, min(math.floor(self.limit * s.decrease_factor), room))
             if self.limit != previous:
                 self._changed_at = snapshot.at
@@ -396,7 +407,7 @@ class LaneController:
             self._changed_at = snapshot.at
             return self._decide(previous, "decrease", "real-time took the free slots", *args)
         if inside and in_flight >= self.limit and self.limit < room:
-            self.limit = min(room, self.limit + s.additive_increase)
+            self.limit = min(room, self._grown(rt_running))
             self._changed_at = snapshot.at
             return self._decide(previous, "increase", "inside targets", *args)
         self.limit = max(self.limit, floor)
@@ -408,6 +419,23 @@ class LaneController:
             else "inside the hold band"
         )
         return self._decide(previous, "hold", reason, *args)
+
+    def _grown(self, rt_running: int) -> int:
+        """The next limit inside the targets: ×1.5 while below the step model's answer (and
+        below the last breach's limit, unless real-time load has changed by a quarter since),
+        then ``+additive_increase``: the model gets back fast to where it says the floor is, the
+        feedback probes beyond it slowly."""
+        step = self.limit + self.settings.additive_increase
+        fast = self.model_limit(rt_running)
+        if self._breach_limit is not None:
+            changed = abs(rt_running - self._breach_realtime) > 0.25 * max(self._breach_realtime, 4)
+            if changed:
+                self._breach_limit = None
+            else:
+                fast = min(fast, self._breach_limit - 1)
+        if self.limit < fast:
+            return max(step, min(fast, math.ceil(self.limit * 1.5)))
+        return step
 
     def _learn(self, snapshot: ServerSnapshot, in_flight: int) -> None:
         """Add the interval since the last empty-lane snapshot to the baseline when the lane
