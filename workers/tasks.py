@@ -70,10 +70,18 @@ def recover_engine(settings: Settings, model: str, fault: EngineFault) -> None:
     new one into the same runner (its gate and urgent set carry over), then send a drain so the
     lines run again. After ``max_engine_failures`` failures within
     ``engine_failure_window_seconds``, or when the new engine cannot load, exit the process with
-    ``EXIT_ENGINE_BROKEN`` for its supervisor (``offpeak up``, Docker, systemd) to restart."""
+    ``EXIT_ENGINE_BROKEN`` for its supervisor (``offpeak up``, Docker, systemd) to restart.
+
+    A remote engine (``engine: "remote"``) is rebuilt by waiting for its server, however long it
+    is away: restarting this process would not bring a remote server back, so its failures do
+    not count towards the exit (lines a failing server keeps failing are still caught by
+    ``max_line_attempts``)."""
     log.error("%s: engine failed (%s); its lines went back to pending", model, fault)
     metrics.ENGINE_FAILURES.labels(model).inc()
     registry.discard(model)
+    if settings.models[model].engine == "remote":
+        _reconnect(settings, model)
+        return
     at = time.monotonic()
     recent = [
         t
@@ -93,6 +101,23 @@ def recover_engine(settings: Settings, model: str, fault: EngineFault) -> None:
         engine = _load(settings, model)
     except Exception:
         log.critical("%s: cannot load a new engine; exiting", model, exc_info=True)
+        _exit_broken()
+    if model in _runners:
+        _runners[model].replace_engine(engine)
+    task_messages.send_drain(settings, model)
+
+
+def _reconnect(settings: Settings, model: str) -> None:
+    """A remote engine's rebuild: ``registry.load`` waits for the server's ``/health``."""
+    from workers.engine.remote import ServerUnavailable
+
+    try:
+        engine = _load(settings, model)
+    except ServerUnavailable:
+        log.info("%s: stopping while the server is away", model)
+        return
+    except Exception:
+        log.critical("%s: cannot connect a new remote engine; exiting", model, exc_info=True)
         _exit_broken()
     if model in _runners:
         _runners[model].replace_engine(engine)

@@ -76,6 +76,9 @@ class EngineResult:
     #: A pooling request's vectors, one per input in order, each little-endian float32 bytes
     #: (``prompt_tokens`` is then the sum over the inputs); ``None`` for generation.
     embeddings: list[bytes] | None = None
+    #: A verdict the engine reached after ``add`` accepted the request (a remote server's 4xx
+    #: answer): the line fails alone with it, as for ``add`` raising it; the counts are then 0.
+    refused: RequestRefused | None = None
 
 
 class RequestRefused(ValueError):
@@ -93,12 +96,16 @@ class EngineFault(RuntimeError):
 
     The runner hands the lines it holds back to pending and the worker rebuilds its engine; the
     lines run again. ``suspects`` are the runner's request ids that were inside the engine when
-    it failed (one of them may have caused it).
+    it failed (one of them may have caused it). ``blameless``: no request can have caused it
+    (a remote server that went away); the lines go back without an attempt counted.
     """
 
-    def __init__(self, message: str, suspects: list[str] | None = None) -> None:
+    def __init__(
+        self, message: str, suspects: list[str] | None = None, *, blameless: bool = False
+    ) -> None:
         super().__init__(message)
         self.suspects = suspects or []
+        self.blameless = blameless
 
 
 class Engine(Protocol):

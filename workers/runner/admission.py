@@ -11,7 +11,7 @@ import orjson
 
 from storage.repositories.requests import ClaimedRequest, FinishedLine
 from workers import serving
-from workers.engine.base import Engine
+from workers.engine.base import Engine, EngineFault
 from workers.runner import results
 from workers.runner.held import HeldLine
 from workers.scheduler.chunking import prefix_order
@@ -71,6 +71,8 @@ def prepare_chunk(
         except LineError as exc:
             chunk.failed.append(results.failed(row, exc, at))
             continue
+        except EngineFault:
+            raise  # the engine cannot tokenize (a remote server away): no line's fault
         except Exception:  # our bug, not the client's: fail this line alone, keep the chunk
             log.exception("cannot prepare line %s of %s", row.id, row.batch_id)
             chunk.failed.append(results.failed(row, results.internal_error(), at))

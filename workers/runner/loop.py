@@ -173,6 +173,8 @@ class Runner:
         self.writer = ResultWriter(
             settings, self.store, owner, self.model, device, self.clock.time(), export_metrics
         )
+        # A remote engine's server is shared: its time is charged by our share of its tokens.
+        self.writer.share_server(getattr(engine, "server_meter", None))
         self._urgent: set[str] = set()
         #: Every batch that has been urgent in this process (the simulation reports it).
         self.urgent_seen: set[str] = set()
@@ -200,6 +202,7 @@ class Runner:
         old engine's lines were handed back when it failed."""
         assert not self.held, "replace_engine while holding lines"
         self.engine = engine
+        self.writer.share_server(getattr(engine, "server_meter", None))
         self.room = engine_room(engine, self.settings.models.get(self.model))
         self.slots = self._sized_slots = self.room.max_num_seqs
         if self.lane is not None:
@@ -242,8 +245,9 @@ class Runner:
         with self.heartbeat.running() if self.heartbeat else nullcontext():
             try:
                 self._loop(until)
-            except BaseException:
-                self._give_back()
+            except BaseException as exc:
+                # A server that went away (a remote engine) is no line's fault.
+                self._give_back(count_attempt=not getattr(exc, "blameless", False))
                 raise
         stats.seconds = self.clock.monotonic() - started
         if not stats.outcome:
@@ -313,13 +317,18 @@ class Runner:
         started = self.clock.monotonic()
         try:
             finished = self.engine.step()
+        except EngineFault:
+            raise  # the engine's own (a remote engine's says whether it is blameless)
         except Exception as exc:
             raise EngineFault(f"engine step failed: {exc!r}", list(self.held.running)) from exc
         elapsed = self.clock.monotonic() - started
         self.writer.busy_seconds += elapsed
         self._stats.busy_seconds += elapsed
         # Every running sequence gains a token per step: the rate counts tokens of lines still
-        # running too, which finished-line counts miss right after the engine fills up.
+        # running too, which finished-line counts miss right after the engine fills up. A
+        # remote engine's step is a poll, not a decode step: it counts the tokens that finished.
+        if getattr(self.engine, "step_is_poll", False):
+            running = sum(len(c.token_ids) for r in finished for c in r.completions)
         keep = math.exp(-elapsed / RATE_SECONDS)
         self._rate_tokens = self._rate_tokens * keep + running
         self._rate_seconds = self._rate_seconds * keep + elapsed
@@ -327,6 +336,10 @@ class Runner:
         for result in finished:
             held = self.held.finished(result.request_id)
             if held is None:  # aborted in the same step it finished
+                continue
+            if result.refused is not None:  # a late verdict (a remote server's 4xx)
+                refused = result.refused
+                self._refused(held, LineError(str(refused), refused.param, refused.code))
                 continue
             line = results.succeeded(held.row, held.prepared, result, created, self.clock.time())
             self.writer.add(line)
@@ -524,14 +537,19 @@ class Runner:
         the decision goes to the log."""
         self._stats.chunks += 1
         self._stats.touched.update(row.batch_id for row in claimed)
-        chunk = prepare_chunk(
-            claimed,
-            self.engine,
-            held=set(self.held.row_ids()),
-            urgent=self._urgent,
-            max_attempts=self.settings.max_line_attempts,
-            at=self.clock.time(),
-        )
+        try:
+            chunk = prepare_chunk(
+                claimed,
+                self.engine,
+                held=set(self.held.row_ids()),
+                urgent=self._urgent,
+                max_attempts=self.settings.max_line_attempts,
+                at=self.clock.time(),
+            )
+        except EngineFault:
+            # The engine could not tokenize (a remote server's /tokenize is away): unrun lines.
+            self.writer.release(claimed, count_attempt=False)
+            raise
         for line in chunk.failed:
             self.writer.add(line)
         if chunk.poison and self.export_metrics:
@@ -635,12 +653,12 @@ class Runner:
         except Exception as exc:  # a dead engine cannot abort; it holds nothing any more
             log.warning("engine abort failed (%r); handing the lines back anyway", exc)
 
-    def _give_back(self) -> None:
+    def _give_back(self, count_attempt: bool = True) -> None:
         """The loop raised (the engine failed, a bug, the database refused a write): write what
         finished and hand the rest back so it runs again (here or elsewhere) without waiting
         for the lease. Lines that were inside the engine keep the attempt their claim counted:
         one of them may be the cause (``workers.runner.held.SUSPECT_ATTEMPTS``); queued lines
-        do not."""
+        do not, nor does any line with ``count_attempt=False`` (a blameless engine fault)."""
         running = self.held.take_running(lambda _h: True)
         queued = self.held.take_queued(lambda _h: True)
         self._abort_quietly([h.request_id for h in running])
@@ -655,7 +673,7 @@ class Runner:
             )
             unwritable = self.writer.drop_pending()
         finally:
-            self.writer.release([h.row for h in running], count_attempt=True)
+            self.writer.release([h.row for h in running], count_attempt=count_attempt)
             self.writer.release([h.row for h in queued], count_attempt=False)
             self.writer.release_ids(
                 [r.id for r in unwritable], {r.batch_id for r in unwritable}, count_attempt=True

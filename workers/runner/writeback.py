@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Iterable
 
+from offpeak.pricing import token_weights
 from offpeak.settings import Settings
 from storage.errors import TRANSIENT_DB_ERRORS
 from storage.repositories import engine_chunks
 from storage.repositories.requests import ClaimedRequest, FinishedLine
 from workers import worker_metrics
+from workers.runner.server_share import ServerShare, UsageMeter
 from workers.scheduler.store import WorkStore, WriteBack, WriteBackReport
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,15 @@ class ResultWriter:
         #: Engine seconds since the last stored chunk, and when that period began (unix).
         self.busy_seconds = 0.0
         self.period_started = started_at
+        #: A co-served (remote) engine's share of its server: then a period's engine seconds
+        #: are its busy wall seconds × our share of the server's tokens (``server_share``).
+        self.share: ServerShare | None = None
+
+    def share_server(self, meter: UsageMeter | None) -> None:
+        """Price engine time by ``meter`` (a remote engine's ``server_meter``), or, with
+        ``None``, by the seconds spent stepping (an engine of our own)."""
+        weights = token_weights(self.settings)
+        self.share = ServerShare(meter, weights) if meter is not None else None
 
     def add(self, line: FinishedLine) -> None:
         self.pending.append(line)
@@ -62,6 +73,9 @@ class ResultWriter:
         the database is unreachable (everything stays for the next try); raises what a wrong
         write raises (the caller hands the lines back)."""
         per_batch = engine_chunks.tokens_by_batch(self.pending)
+        busy = self.busy_seconds
+        if self.share is not None and per_batch:
+            busy = self.share.seconds(per_batch)
         write = WriteBack(
             owner=self.owner,
             model=self.model,
@@ -71,7 +85,7 @@ class ResultWriter:
             results=list(self.pending),
             per_batch=per_batch,
             started_at=self.period_started,
-            busy_seconds=self.busy_seconds,
+            busy_seconds=busy,
             batch_ids=batch_ids,
             held_ids=held_ids,
         )
@@ -85,10 +99,12 @@ class ResultWriter:
             )
             return None
         if per_batch:  # the seconds went into a chunk; a failed write keeps them for the next
+            if self.share is not None:
+                self.share.commit()
             if self.export_metrics:
                 worker_metrics.observe_flush(
                     self.model,
-                    self.busy_seconds,
+                    busy,
                     sum(t.requests for t in per_batch.values()),
                     sum(t.prompt_tokens for t in per_batch.values()),
                     sum(t.cached_tokens for t in per_batch.values()),
