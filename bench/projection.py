@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
+from offpeak.pricing import format_usd
 from workers import planner
 
 #: Llama 3.1 8B's ``config.json`` fields the planner reads (meta-llama/Llama-3.1-8B-Instruct).
@@ -130,9 +131,9 @@ def run(price_per_hour: float = 3.50, out_dir: Path | None = None) -> dict[str, 
             ["prefill per request", f"{p['prefill_ms_per_request']:.2f} ms"],
             ["output tokens/s", f"{p['output_tokens_per_s']:,.0f}"],
             ["requests/s to keep it fed", f"{p['requests_per_s']:,.1f}"],
-            [f"$ / M output tokens at ${a['price_per_hour']:.2f}/h",
-             f"{p['dollars_per_million_output_tokens']:.3f}"],
-            ["$ / M tokens (input + output)", f"{p['dollars_per_million_tokens']:.4f}"],
+            [f"per M output tokens at {format_usd(a['price_per_hour'])}/h",
+             format_usd(p["dollars_per_million_output_tokens"])],
+            ["per M tokens (input + output)", format_usd(p["dollars_per_million_tokens"])],
         ],
     )  # fmt: skip
     harness.console.print(p["engine_limits"])
