@@ -21,7 +21,7 @@ import random
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import orjson
@@ -32,7 +32,7 @@ from bench.harness import MB, MIB, RssSampler, Service
 from offpeak.settings import DEFAULT_EMBEDDING_MODEL
 
 MODEL = DEFAULT_EMBEDDING_MODEL
-URL = "/v1/embeddings"
+URL: Literal["/v1/embeddings"] = "/v1/embeddings"
 FLAT_SLACK_MB = 30.0
 #: Inputs whose vectors are compared with sentence-transformers'.
 SAMPLE = 256

@@ -8,7 +8,7 @@ from __future__ import annotations
 import base64
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import orjson
@@ -27,7 +27,7 @@ from workers.engine.base import EngineRequest
 from workers.engine.instant import InstantEngine
 from workers.serving import LineError, prepare
 
-URL = "/v1/embeddings"
+URL: Literal["/v1/embeddings"] = "/v1/embeddings"
 MODEL = DEFAULT_EMBEDDING_MODEL
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -215,7 +215,7 @@ def reference() -> Any:
     return SentenceTransformer(str(find_minilm_folder()), device="cpu")
 
 
-def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def cosines(a: Any, b: Any) -> np.ndarray:
     a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
