@@ -89,7 +89,8 @@ _STATUS_DESCRIPTIONS = {
     400: "A parameter is missing or invalid (OpenAI's invalid_request_error).",
     401: "No API key, or an incorrect one.",
     404: "No such object (also for another tenant's id).",
-    409: "The object's state does not allow this (e.g. cancelling a finished batch).",
+    409: "The object's state does not allow this (e.g. cancelling a finished batch), or a "
+    "request with the same Idempotency-Key is still running.",
     413: "The request body is larger than the limit.",
     422: "The request body is not valid JSON, or its Idempotency-Key was used with another body.",
 }

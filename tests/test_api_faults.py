@@ -477,11 +477,12 @@ def test_openapi_declares_what_each_route_answers(http: TestClient) -> None:
     def statuses(path: str, method: str) -> set[str]:
         return set(paths[path][method]["responses"])
 
-    assert statuses("/v1/batches", "post") == {"200", "400", "401", "404", "413", "422"}
+    # 409 and 422 on the creates: an Idempotency-Key in flight, or reused with another body.
+    assert statuses("/v1/batches", "post") == {"200", "400", "401", "404", "409", "413", "422"}
     assert statuses("/v1/batches/{batch_id}/cancel", "post") == {
         "200", "400", "401", "404", "409", "413"
     }  # fmt: skip
-    assert statuses("/v1/files", "post") == {"200", "400", "401", "413"}
+    assert statuses("/v1/files", "post") == {"200", "400", "401", "409", "413", "422"}
     assert statuses("/v1/files/{file_id}", "get") == {"200", "400", "401", "404"}
     assert statuses("/v1/models", "get") == {"200", "401"}
     error = {"$ref": "#/components/schemas/ErrorResponse"}

@@ -36,8 +36,12 @@ class TimesOutOnce(TestClient):
     def __init__(self, app: Any, path: str) -> None:
         super().__init__(app)
         self.path, self.lost = path, 0
+        #: The Idempotency-Key of every request to ``path`` (None: the header was not sent).
+        self.keys: list[str | None] = []
 
     def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
+        if request.url.path == self.path:
+            self.keys.append(request.headers.get("Idempotency-Key"))
         response = super().send(request, **kwargs)
         if request.method == "POST" and request.url.path == self.path and not self.lost:
             self.lost += 1
@@ -230,6 +234,9 @@ def test_a_create_whose_answer_timed_out_is_retried_by_the_sdk_without_a_second_
     )
     assert http.lost == 1
     after = _count(settings, Batch, api_key)
+    # The SDK's retry repeats the caller's key; it sends none of its own.
+    sent = headers["Idempotency-Key"] if headers else None
+    assert http.keys == [sent, sent]
     if with_key:
         assert after - before == 1
         assert batch.headers["Idempotent-Replayed"] == "true"

@@ -46,18 +46,22 @@ class Step:
     retry_in: float | None = None
 
 
-def _output_expiry(settings: Settings, batch: Batch, created: int) -> int | None:
-    """When an output or error file written at ``created`` expires: the batch's
-    ``output_expires_after`` (anchor ``created_at``: the file's creation), else
-    ``output_file_expiry_days``, else never."""
-    if batch.output_expires_after is not None:
-        return created + batch.output_expires_after
-    if settings.output_file_expiry_days is not None:
-        return created + settings.output_file_expiry_days * 86_400
-    return None
+def _set_output_expiry(session: Session, settings: Settings, batch: Batch) -> None:
+    """Give the batch's output and error (or results) files their ``expires_at``: the batch's
+    ``output_expires_after`` (anchor ``created_at``: seconds after the file was written), else
+    ``output_file_expiry_days``, else none (kept until deleted, OpenAI's default)."""
+    seconds = batch.output_expires_after
+    if seconds is None and settings.output_file_expiry_days is not None:
+        seconds = settings.output_file_expiry_days * 86_400
+    if seconds is None:
+        return
+    for file_id in (batch.output_file_id, batch.error_file_id):
+        file = files_repo.get_any(session, file_id) if file_id else None
+        if file is not None:
+            file.expires_at = file.created_at + seconds
 
 
-def _write_files(session: Session, settings: Settings, blobs: BlobStore, batch: Batch) -> None:
+def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
     """Stream the batch's rows into its output and error files and record them, once: the blob
     keys are fixed, so a re-run overwrites the bytes, and reuses the file rows it finds under them
     (a unique index on live blob keys backs this up).
@@ -69,7 +73,7 @@ def _write_files(session: Session, settings: Settings, blobs: BlobStore, batch: 
     A Message Batch (Anthropic's surface) gets one results file instead, its ``output_file_id``
     (``_write_results``)."""
     if batch.endpoint == anthropic_messages.URL:
-        _write_results(session, settings, blobs, batch)
+        _write_results(session, blobs, batch)
         return
     out_key, err_key = f"outputs/{batch.id}/output.jsonl", f"outputs/{batch.id}/errors.jsonl"
     out_bytes = err_bytes = 0
@@ -89,11 +93,11 @@ def _write_files(session: Session, settings: Settings, blobs: BlobStore, batch: 
                 continue  # pending/running rows do not exist once a batch is ending
             err.write(line + b"\n")
             err_bytes += len(line) + 1
-    _keep_file(session, settings, blobs, batch, (out_bytes, out_key, "output", "output_file_id"))
-    _keep_file(session, settings, blobs, batch, (err_bytes, err_key, "error", "error_file_id"))
+    _keep_file(session, blobs, batch, (out_bytes, out_key, "output", "output_file_id"))
+    _keep_file(session, blobs, batch, (err_bytes, err_key, "error", "error_file_id"))
 
 
-def _write_results(session: Session, settings: Settings, blobs: BlobStore, batch: Batch) -> None:
+def _write_results(session: Session, blobs: BlobStore, batch: Batch) -> None:
     """A Message Batch's results file: one line per request in Anthropic's shape
     (``anthropic_messages.result_line``: succeeded, errored, canceled or expired), rendered from
     the rows' records like the OpenAI files, so a re-run writes the same bytes."""
@@ -107,15 +111,11 @@ def _write_results(session: Session, settings: Settings, blobs: BlobStore, batch
             line = anthropic_messages.result_line(custom_id, record, status) + b"\n"
             out.write(line)
             size += len(line)
-    _keep_file(session, settings, blobs, batch, (size, key, "results", "output_file_id"))
+    _keep_file(session, blobs, batch, (size, key, "results", "output_file_id"))
 
 
 def _keep_file(
-    session: Session,
-    settings: Settings,
-    blobs: BlobStore,
-    batch: Batch,
-    written: tuple[int, str, str, str],
+    session: Session, blobs: BlobStore, batch: Batch, written: tuple[int, str, str, str]
 ) -> None:
     """Record a blob just written, ``written = (size in bytes, key, kind, attr)``, as the
     batch's ``attr`` file (``output_file_id``…) named after ``kind``, reusing the file row a
@@ -143,7 +143,7 @@ def _keep_file(
             status="processed",
             blob_key=key,
             created_at=created,
-            expires_at=_output_expiry(settings, batch, created),
+            expires_at=None,
             deleted=False,
         ),
     )
@@ -202,7 +202,8 @@ def _advance(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
             return Step(done=True)
         batches_repo.refresh_counts(session, [batch_id])
         session.refresh(batch)
-        _write_files(session, settings, blobs, batch)
+        _write_files(session, blobs, batch)
+        _set_output_expiry(session, settings, batch)
         stamp = now()
         final = {
             BatchStatus.COMPLETED: "completed_at",
