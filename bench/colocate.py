@@ -328,8 +328,17 @@ def run_leg(
     engine: Any | None,
     step_model: Any,
     seed: int,
+    pre_roll: float = 0.0,
 ) -> Leg:
+    """One leg; with ``pre_roll`` seconds, the batch side starts that long before the phases,
+    beside real-time traffic at the first phase's rate (the lane learns its baselines once per
+    deployment, not per phase); times are reported from the first phase's start (the pre-roll
+    negative)."""
     leg = Leg(name)
+    if pre_roll:
+        phases = [(0.0, pre_roll, phases[0][2])] + [
+            (s + pre_roll, e + pre_roll, r) for s, e, r in phases
+        ]
     t0 = time.perf_counter()
     horizon = max(end for _, end, _ in phases)
     load = RealtimeLoad(base, model, [p for p in phases if p[2] > 0], seed)
@@ -341,7 +350,7 @@ def run_leg(
         )
         leg.finished = [(at - t0, tokens) for at, tokens in counting.finished]
         leg.decisions = [
-            {"at": None, **{k: getattr(d, k) for k in (
+            {**{k: getattr(d, k) for k in (
                 "limit", "action", "reason", "in_flight", "realtime_running", "waiting",
                 "tpot_p95", "ttft_p95", "tpot_target", "ttft_target")}}
             for d in decisions
@@ -349,6 +358,9 @@ def run_leg(
     else:
         time.sleep(max(0.0, t0 + horizon - time.perf_counter()))
     load.join(90)
+    for record in load.records:
+        record.at -= pre_roll
+    leg.finished = [(at - pre_roll, tokens) for at, tokens in leg.finished]
     leg.records = load.records
     leg.seconds = time.perf_counter() - t0
     return leg
@@ -470,9 +482,10 @@ def run(
                 for leg_name, leg_phases, leg_settings in plan:
                     _wait_idle(base)
                     harness.console.print(f"leg ({leg_name}) …")
+                    pre = lane_defaults.learn_seconds + 4 if leg_name == "c" else 0.0
                     legs[leg_name] = run_leg(
                         leg_name, base, name, leg_phases, leg_settings,
-                        engine if leg_settings else None, step, seed,
+                        engine if leg_settings else None, step, seed, pre,
                     )  # fmt: skip
                 registry.close_all()
         finally:
