@@ -261,3 +261,32 @@ def test_an_upload_retried_by_the_sdk_after_a_timeout_stores_one_file(settings: 
         sdk.files.create(
             file=("in.jsonl", BODY + b"\n"), purpose="batch", extra_headers={"Idempotency-Key": key}
         )
+
+
+def test_racing_creates_with_one_key_make_one_batch(settings: Settings) -> None:
+    """Eight clients send the same create with the same key at once: one reservation wins (the
+    insert's ``ON CONFLICT DO NOTHING``); the others get its answer or a 409, never a second
+    batch."""
+    http = TestClient(create_app(settings))
+    sdk, api_key = _client(settings, http)
+    file = sdk.files.create(file=("in.jsonl", BODY), purpose="batch")
+    key, start = str(uuid.uuid4()), threading.Barrier(8)
+    answers: list[tuple[int, bytes]] = []
+
+    def create() -> None:
+        start.wait()
+        try:
+            raw = _create(sdk, file.id, key)
+            answers.append((raw.status_code, raw.content))
+        except openai.ConflictError:
+            answers.append((409, b""))
+
+    threads = [threading.Thread(target=create) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(answers) == 8
+    bodies = {body for status, body in answers if status == 200}
+    assert len(bodies) == 1 and {s for s, _ in answers} <= {200, 409}
+    assert _count(settings, Batch, api_key) == 1

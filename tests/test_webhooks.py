@@ -461,3 +461,26 @@ def test_the_cli_manages_endpoints_and_shows_the_log(
     assert new_secret != secret
     deleted = runner.invoke(cli.app, ["webhooks", "delete", endpoint.id])
     assert deleted.exit_code == 0 and tenant.sdk.webhooks.list().data == []
+
+
+def test_one_final_status_makes_one_outbox_event(settings: Settings, tenant: AcctTenant) -> None:
+    """``record_final`` run again for a batch (in another transaction, as a second finalize
+    would) adds nothing: the event's dedupe key is unique."""
+    tenant.sdk.webhooks.create(name="once", url="http://127.0.0.1:9/", event_types=ALL)
+    batch_id = make(settings, tenant, 1, MODEL, prefix="u")
+    run(settings, MODEL)
+    end(settings, batch_id)
+    for _ in range(3):
+        with session_scope(settings.resolved_database_url) as session:
+            batch = session.get(Batch, batch_id)
+            assert batch is not None
+            worker_webhooks.record_final(session, settings, batch)
+    assert _events_of(settings, batch_id) == 1
+    with session_scope(settings.resolved_database_url) as session:
+        deliveries = session.scalar(
+            select(func.count())
+            .select_from(WebhookDelivery)
+            .join(WebhookEvent, WebhookEvent.id == WebhookDelivery.event_id)
+            .where(WebhookEvent.object_id == batch_id)
+        )
+    assert deliveries == 1
