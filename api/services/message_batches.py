@@ -211,19 +211,22 @@ _UNRUN = {
 
 def counts(session: Session, batches: list[Batch]) -> dict[str, MessageBatchRequestCounts]:
     """``request_counts`` of each batch, Anthropic's way: every request ``processing`` until
-    the batch has ended, then each by outcome (one grouped count over the ended batches'
-    lines)."""
-    ended = [b.id for b in batches if b.status in BatchStatus.FINAL]
-    by_status = repo.line_statuses(session, ended)
+    the batch has ended, then each by outcome. A completed batch's counters say it (its lines
+    succeeded or errored); a cancelled or expired one's lines are counted by status, in one
+    grouped count."""
+    split = [b.id for b in batches if b.status in (BatchStatus.CANCELLED, BatchStatus.EXPIRED)]
+    by_status = repo.line_statuses(session, split)
     out = {}
     for batch in batches:
         submitted = batch.requests_submitted or batch.total
-        if batch.id not in by_status:
+        if batch.status not in BatchStatus.FINAL:
             out[batch.id] = MessageBatchRequestCounts(
                 processing=submitted, succeeded=0, errored=0, canceled=0, expired=0
             )
             continue
-        lines = by_status[batch.id]
+        lines = by_status.get(
+            batch.id, {LineStatus.SUCCEEDED: batch.completed, LineStatus.FAILED: batch.failed}
+        )
         tally = {
             "succeeded": lines.get(LineStatus.SUCCEEDED, 0),
             "errored": lines.get(LineStatus.FAILED, 0),
