@@ -514,3 +514,21 @@ def test_an_idempotency_key_makes_the_create_safe_to_retry(
         )
     assert caught.value.body["type"] == "error"  # type: ignore[index]
     assert "different payload" in caught.value.body["error"]["message"]  # type: ignore[index]
+
+
+def test_a_large_create_is_accepted_and_a_lone_surrogate_refused_in_anthropics_shape(
+    claude: anthropic.Anthropic, http: TestClient, api_key: str, settings: Settings
+) -> None:
+    """The inline requests may make a body far over the 1 MiB other JSON bodies get (up to
+    256 MiB); the body checks before the app still answer in Anthropic's shape here."""
+    text = "x" * 300_000
+    big = [_request(f"r{i}", _model(settings), system=text) for i in range(8)]  # ~2.4 MB
+    assert claude.messages.batches.create(requests=big).request_counts.processing == 8  # type: ignore[arg-type]
+    raw = http.post(
+        "/v1/messages/batches",
+        content=b'{"requests": [{"custom_id": "a", "params": {"system": "\\ud800"}}]}',
+        headers={"x-api-key": api_key, "content-type": "application/json"},
+    )
+    assert raw.status_code == 400
+    assert raw.json()["type"] == "error" and raw.json()["error"]["type"] == "invalid_request_error"
+    assert "surrogate" in raw.json()["error"]["message"]
