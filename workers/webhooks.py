@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from sqlalchemy.orm import Session
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 
 #: Deliveries one claim takes; the task claims again until none is due.
 CLAIM_SIZE = 20
+#: Attempts of one claim sent at once, so one slow receiver does not hold up the others.
+PARALLEL_POSTS = 8
 
 
 def record_final(session: Session, settings: Settings, batch: Batch) -> None:
@@ -81,12 +84,15 @@ def attempt(settings: Settings, due: webhooks_repo.DueDelivery) -> webhooks.Atte
 def deliver_due(settings: Settings, *, max_rounds: int = 50) -> int:
     """Send every delivery due now, ``CLAIM_SIZE`` at a time; returns the attempts made.
 
-    The lease on a claimed delivery is the attempt's timeout plus a margin, so a delivery whose
-    worker died is due again soon after. ``max_rounds`` bounds one call (the sweep sends the
-    task again while deliveries are due).
+    A claim's attempts are sent ``PARALLEL_POSTS`` at a time; its lease covers them all timing
+    out, plus a margin, so a delivery whose worker died is due again soon after. The attempt's
+    ``at`` in the log is when its answer was recorded. ``max_rounds`` bounds one call (the sweep
+    sends the task again while deliveries are due).
     """
     url = settings.resolved_database_url
-    lease = settings.webhook_timeout_seconds + 30
+    # Long enough for every attempt of a claim, sent PARALLEL_POSTS at a time, to time out.
+    waves = -(-CLAIM_SIZE // PARALLEL_POSTS)
+    lease = waves * settings.webhook_timeout_seconds + 30
     made = 0
     for _ in range(max_rounds):
         with session_scope(url) as session:
@@ -95,8 +101,9 @@ def deliver_due(settings: Settings, *, max_rounds: int = 50) -> int:
             )
         if not claimed:
             break
-        for due in claimed:
-            result = attempt(settings, due)
+        with ThreadPoolExecutor(min(PARALLEL_POSTS, len(claimed))) as pool:
+            results = list(pool.map(partial(attempt, settings), claimed))
+        for due, result in zip(claimed, results, strict=True):
             at = time.time()
             next_at: float | None = None
             if not result.delivered:
