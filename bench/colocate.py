@@ -408,7 +408,7 @@ def run(
     from workers.engine import registry
     from workers.model_store import ensure_model
     from workers.planner import StepModel, largest_batch
-    from workers.sim.colocate import bound_tokens_per_s
+    from workers.scheduler.lane import bound_tokens_per_s
 
     phase = phase_seconds or (15.0 if quick else 60.0)
     name = DEFAULT_MODEL

@@ -300,3 +300,19 @@ def test_runner_follows_the_lane_and_aborts_back_to_pending(lane_settings: Setti
     statuses = {s for s, _ in rows}
     assert "failed" not in statuses and "pending" in statuses
     assert all(a == 0 for s, a in rows if s == "pending")  # an abort is not an attempt
+
+
+def test_simulated_colocation_lane_keeps_the_floor_the_naive_lane_breaks_it() -> None:
+    """The runner and the lane on the virtual clock against the simulated shared server (the
+    seed's 10 ms + 0.4 ms step): with the lane, real-time TPOT p95 stays within 2.4x what it is
+    alone and batch work still runs; without it (max_num_seqs in flight) it does not."""
+    from workers.sim.colocate import ColocateParams, run_leg
+
+    params = ColocateParams(phase_seconds=40.0, batch_lines=3000)
+    alone, naive, lane_on = (run_leg(leg, params) for leg in ("a", "b", "c"))
+    quiet_alone = alone.phases[0].tpot_p95
+    assert quiet_alone is not None
+    for phase in lane_on.phases:
+        assert phase.tpot_p95 is not None and phase.tpot_p95 <= 2.4 * quiet_alone
+    assert sum(p.batch_tokens_per_s for p in lane_on.phases) > 0
+    assert all((p.tpot_p95 or 0) > 2.4 * quiet_alone for p in naive.phases)

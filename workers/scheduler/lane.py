@@ -491,3 +491,22 @@ def victims(running: Mapping[str, str], keep: int, urgent: Callable[[str], bool]
         r for r in newest if urgent(running[r])
     ]
     return ordered[:excess]
+
+
+# --- The bound: what the step model allows ---------------------------------------------------
+
+
+def realtime_capacity(step_model: StepModel, target: float, mean_reply: float) -> float:
+    """Real-time requests per second the server sustains at the TPOT target: the largest batch
+    at the floor (``workers.planner.largest_batch``), each request holding a slot for ``mean
+    reply × target`` seconds (Little's law)."""
+    batch = largest_batch(step_model, 1.0 / target)
+    return batch / (mean_reply * target)
+
+
+def bound_tokens_per_s(step_model: StepModel, target: float, realtime_running: float) -> float:
+    """Batch tokens/s the step model allows under the TPOT target beside ``realtime_running``
+    real-time sequences: ``(B − rt) / step(B)`` with ``B`` the largest batch at the floor."""
+    batch = largest_batch(step_model, 1.0 / target)
+    extra = max(0.0, batch - realtime_running)
+    return extra / step_model.step_seconds(batch) if extra else 0.0

@@ -31,7 +31,12 @@ from offpeak.settings import LaneSettings, ModelConfig, SchedulerSettings, Setti
 from workers.engine.base import Completion, EngineRequest, EngineResult
 from workers.planner import StepModel, largest_batch
 from workers.scheduler.clock import VirtualClock
-from workers.scheduler.lane import Histogram, ServerSnapshot
+from workers.scheduler.lane import (
+    Histogram,
+    ServerSnapshot,
+    bound_tokens_per_s,
+    realtime_capacity,
+)
 from workers.sim.day import DAY_START
 from workers.sim.engine import MODEL
 from workers.sim.store import Arrival, MemoryStore
@@ -285,22 +290,6 @@ class LegResult:
 def floor_target_seconds(step_model: StepModel, ratio: float) -> float:
     """The default TPOT target: ``ratio ×`` one sequence's step (``LaneSettings.tpot_ratio``)."""
     return ratio * step_model.step_seconds(1)
-
-
-def realtime_capacity(step_model: StepModel, target: float, mean_reply: float) -> float:
-    """Real-time requests per second the server sustains at the TPOT target: the largest batch
-    at the floor (``workers.planner.largest_batch``), each request holding a slot for ``mean
-    reply × target`` seconds (Little's law)."""
-    batch = largest_batch(step_model, 1.0 / target)
-    return batch / (mean_reply * target)
-
-
-def bound_tokens_per_s(step_model: StepModel, target: float, realtime_running: float) -> float:
-    """Batch tokens/s the step model allows under the TPOT target beside ``realtime_running``
-    real-time sequences: ``(B − rt) / step(B)`` with ``B`` the largest batch at the floor."""
-    batch = largest_batch(step_model, 1.0 / target)
-    extra = max(0.0, batch - realtime_running)
-    return extra / step_model.step_seconds(batch) if extra else 0.0
 
 
 def _pct(values: list[float], q: float) -> float | None:
