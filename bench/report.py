@@ -138,4 +138,56 @@ def markdown(folder: Path | None = None) -> str:
             )  # fmt: skip
             + f"\n\n{_loads(memory)}."
         )
+    if colocate := _load(folder, "colocate"):
+        parts.append(colocate_markdown(colocate))
     return "\n\n".join(parts) + "\n"
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{1000 * x:,.0f}"
+
+
+def colocate_markdown(result: dict[str, Any]) -> str:
+    """``bench colocate``'s legs and phases as one table, with its targets and verdicts."""
+    names = {"a": "(a) real-time alone", "b": "(b) + batch, lane off",
+             "c": "(c) + batch, lane on", "d": "(d) batch alone"}  # fmt: skip
+    rows = []
+    for leg, phases in result["legs"].items():
+        for r in phases:
+            bound = r.get("bound_tokens_per_s")
+            rows.append([
+                names.get(leg, leg), r["phase"], str(r["requests_served"]),
+                _ms(r["ttft"]["p50"]), _ms(r["ttft"]["p95"]), _ms(r["ttft"]["p99"]),
+                _ms(r["tpot"]["p50"]), _ms(r["tpot"]["p95"]), _ms(r["tpot"]["p99"]),
+                f"{r['batch_output_tokens_per_s']:.1f}",
+                "" if bound is None else f"{bound:.1f}",
+            ])  # fmt: skip
+    t, step = result["targets"], result["step_model"]
+    harvest = result["harvest_c"]
+    return (
+        "### Co-serving through one vllm serve\n\n"
+        + _table(
+            [
+                "leg",
+                "phase",
+                "served",
+                "TTFT p50 ms",
+                "p95",
+                "p99",
+                "TPOT p50 ms",
+                "p95",
+                "p99",
+                "batch tok/s",
+                "bound tok/s",
+            ],
+            rows,
+        )  # fmt: skip
+        + f"\n\nStep model measured on the server: {step['base_ms']:.1f} ms + "
+        f"{step['per_seq_ms']:.2f} ms per sequence; TPOT floor (2.4 × one sequence) "
+        f"{_ms(t['tpot_floor_step_model_s'])} ms → {result['floor_batch']} sequences; real-time "
+        f"capacity {result['realtime_capacity_per_s']:.2f} requests/s. Targets: TTFT p95 ≤ "
+        f"{_ms(t['ttft_p95_s'])} ms, TPOT p95 ≤ {_ms(t['tpot_p95_s'])} ms (2.4 × leg (a)'s quiet "
+        f"p95). (c) inside in every phase: {result['met']['c_inside_targets_every_phase']}; "
+        f"harvest (c) / bound: {'n/a' if harvest is None else f'{100 * harvest:.0f}%'} "
+        f"(target ≥ 70%). {_loads(result)}."
+    )
