@@ -25,7 +25,8 @@ The targets default to ``ratio × baseline``: the seed's per-user speed floor
 sequence) lets each user's step grow from 10.4 ms (alone) to 25 ms, a ratio of 2.4. The baseline
 is the real-time latency with no batch work, measured by the controller itself: p95 over the
 first ``learn_seconds``, in which the lane keeps nothing in flight (measured once: an empty lane
-later, after a breach or in a busy spell, would measure the real-time load instead). Until TPOT
+later, after a breach or in a busy spell, would measure the real-time load instead; a baseline
+that had too little traffic then is taken from the next intervals the lane is empty). Until TPOT
 is measured the step model's ``step_ms(1)`` stands in (``offpeak calibrate``; the seed's
 otherwise); until TTFT is, TTFT is not judged. Explicit baselines or targets in ``LaneSettings``
 override both.
@@ -350,9 +351,10 @@ class LaneController:
                 self.limit = floor
             return self._decide(previous, "unreadable", "metrics unreadable", in_flight, 0, 0.0)
         self._last_read_at = at
-        if not self._started:
-            # Only before the lane starts: an empty lane later (after a breach, in a busy
-            # spell) would measure the real-time load, not the speed without batch work.
+        if not self._started or not self._baselines_measured():
+            # Before the lane starts (or until a baseline had enough traffic to be measured):
+            # an empty lane later, after a breach or in a busy spell, would measure the
+            # real-time load, not the speed without batch work.
             self._learn(snapshot, in_flight)
         self._history.append(snapshot)
         while self._history and self._history[0].at < at - 2 * s.window_seconds:
@@ -419,6 +421,16 @@ class LaneController:
             else "inside the hold band"
         )
         return self._decide(previous, "hold", reason, *args)
+
+    def _baselines_measured(self) -> bool:
+        s, b = self.settings, self._baseline
+        tpot = s.baseline_tpot_ms is not None or (
+            b.tpot is not None and b.tpot.count >= s.min_tokens
+        )
+        ttft = s.baseline_ttft_ms is not None or (
+            b.ttft is not None and b.ttft.count >= s.min_requests
+        )
+        return tpot and ttft
 
     def _grown(self, rt_running: int) -> int:
         """The next limit inside the targets: ×1.5 while below the step model's answer (and
