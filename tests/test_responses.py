@@ -14,12 +14,15 @@ from typing import Any
 
 import orjson
 import pytest
+from openai import OpenAI
 from openai.types.responses import Response
 
 from offpeak import endpoints
 from offpeak.endpoints import SamplingSpec, records
 from offpeak.endpoints.base import StructuredOutput
+from offpeak.settings import DEFAULT_MODEL, Settings
 from storage.repositories.requests import ClaimedRequest
+from tests.helpers import validate
 from workers.engine.base import EngineRequest, EngineResult, RequestRefused
 from workers.engine.instant import InstantEngine
 from workers.runner.admission import prepare_chunk
@@ -422,3 +425,63 @@ def test_prepared_lines_carry_the_echo_into_the_record() -> None:
     assert orjson.dumps(responses.render(stored)) == orjson.dumps(responses.render(record))
     chat_record = answer(prepare("1", CHAT, chat(), ENGINE), result, created=1)
     assert chat_record.echo is None
+
+
+# --- Batch create and validation --------------------------------------------------------------
+
+
+def responses_line(custom_id: str, **body: Any) -> bytes:
+    return orjson.dumps(
+        {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": RESPONSES,
+            "body": {"model": DEFAULT_MODEL, **body},
+        }
+    )
+
+
+def test_a_batch_may_target_responses(sdk: OpenAI) -> None:
+    data = responses_line("a", input="Hi") + b"\n"
+    file = sdk.files.create(file=("in.jsonl", data), purpose="batch")
+    batch = sdk.batches.create(
+        input_file_id=file.id,
+        endpoint=RESPONSES,  # type: ignore[arg-type]
+        completion_window="24h",
+    )
+    assert batch.endpoint == RESPONSES and batch.status == "validating"
+
+
+def test_validation_stores_responses_lines_and_requires_input(settings: Settings) -> None:
+    good = responses_line("a", input="Hi") + b"\n" + responses_line("b", input=[]) + b"\n"
+    batch, rows = validate(settings, good, endpoint=RESPONSES)
+    # An empty input is the line's own problem (a 400 line when it runs), not the file's.
+    assert batch.status != "failed" and rows == 2
+    batch, rows = validate(settings, responses_line("a") + b"\n", endpoint=RESPONSES)
+    assert batch.status == "failed" and rows == 0
+    assert batch.errors[0]["code"] == "missing_required_parameter"
+
+
+def test_vllms_refusal_of_a_schema_names_the_lines_schema_param() -> None:
+    """vLLM compiles a schema when a request is added; its refusal (``VLLMValidationError``,
+    raised from ``SamplingParams._validate_structured_outputs``) becomes a ``RequestRefused``
+    naming the line's schema field, and any other refusal keeps vLLM's message alone."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.config import StructuredOutputsConfig
+
+    from workers.engine.vllm_engine import _refusal, to_sampling_params
+
+    bad = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+    spec = SamplingSpec(8, structured_output=StructuredOutput(orjson.dumps(bad).decode(), "p.q"))
+    request = EngineRequest("1", [1], spec)
+    params = to_sampling_params(spec)
+    config = StructuredOutputsConfig(backend="xgrammar")
+    with pytest.raises(Exception) as info:  # noqa: PT011 (vLLM's own error type)
+        params._validate_structured_outputs(SimpleNamespace(is_diffusion=False), config, object())
+    refusal = _refusal(request, info.value)
+    assert (refusal.param, refusal.code) == ("p.q", "invalid_json_schema")
+    assert isinstance(refusal, ValueError) and "$defs" in str(refusal)
+    other = _refusal(request, ValueError("prompt too long"))
+    assert (other.param, other.code, str(other)) == (None, None, "prompt too long")
