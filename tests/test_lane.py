@@ -47,6 +47,10 @@ def test_quantile_interpolates_inside_the_bucket() -> None:
     assert h.quantile(0.95) == pytest.approx(0.0195)
     assert hist(0, 0, 0, 0, 5).quantile(0.95) == 0.08  # +Inf: the highest finite bound
     assert hist(0, 0, 0, 0, 0).quantile(0.95) is None
+    # The lane's own 10 first tokens are the slowest: taken out, the real-time p95 is left.
+    mixed = hist(0, 90, 0, 10, 0)
+    assert mixed.quantile(0.95) > 0.04 and mixed.quantile(0.95, drop_top=10) <= 0.02
+    assert mixed.quantile(0.95, drop_top=100) is None
 
 
 def test_deltas_window_and_reset() -> None:

@@ -169,6 +169,8 @@ class Runner:
         self._next_lane_at = -math.inf
         #: The lane's recent decisions, oldest first (the simulation and the bench read them).
         self.lane_decisions: deque[LaneDecision] = deque(maxlen=10_000)
+        #: Lines added to the engine so far (the lane takes their first tokens out of TTFT).
+        self.lines_sent = 0
         self._setup_lane()
         self.writer = ResultWriter(
             settings, self.store, owner, self.model, device, self.clock.time(), export_metrics
@@ -387,7 +389,11 @@ class Runner:
         assert self.lane is not None and self.lane_metrics is not None
         urgent = any(h.row.batch_id in self._urgent for h in self.held.all())
         decision = self.lane.update(
-            self.clock.monotonic(), self.lane_metrics.read(), len(self.held.running), urgent
+            self.clock.monotonic(),
+            self.lane_metrics.read(),
+            len(self.held.running),
+            urgent,
+            sent=self.lines_sent,
         )
         self.slots = min(self._sized_slots, decision.limit)
         level = logging.INFO if decision.limit != decision.previous else logging.DEBUG
@@ -516,7 +522,9 @@ class Runner:
         # A step's finished lines get replaced; the lane's limit is exact (lines in flight at a
         # shared server, not an engine's queue).
         feed = self.slots if self.lane else self.slots + max(8, self.slots // 4)
+        before = len(self.held.running)
         self.held.admit(self.engine, feed, self._admissible, self._refused)
+        self.lines_sent += max(0, len(self.held.running) - before)
 
     def _refused(self, held: HeldLine, error: LineError) -> None:
         self.writer.add(results.failed(held.row, error, self.clock.time()))

@@ -9,9 +9,9 @@ Prometheus ``/metrics``:
 - **TPOT p95**: the windowed p95 of ``vllm:inter_token_latency_seconds`` (vLLM 0.32; older
   servers: ``vllm:time_per_output_token_seconds``). Every running sequence gets one token per
   step, so the server's inter-token latency is the real-time users' too.
-- **TTFT p95**: the windowed p95 of ``vllm:time_to_first_token_seconds`` (every request's, the
-  batch lane's included: batch lines rank below real-time ones, so theirs is at least as long and
-  the reading errs on the real-time side).
+- **TTFT p95**: the windowed p95 of ``vllm:time_to_first_token_seconds``, less the first tokens
+  of the batch lines sent in the window, taken out as the slowest (batch lines rank below
+  real-time ones and carry the longer prompts): the real-time users' TTFT.
 - **real-time waiting**: ``vllm:num_requests_waiting``. The lane never puts more lines in flight
   than the server has free sequence slots (``max_num_seqs`` minus real-time running), so what
   waits there is real-time work.
@@ -92,11 +92,12 @@ class Histogram:
             self.bounds, tuple(a - b for a, b in zip(self.counts, earlier.counts, strict=True))
         )
 
-    def quantile(self, q: float) -> float | None:
+    def quantile(self, q: float, drop_top: float = 0.0) -> float | None:
         """The ``q`` quantile in seconds, linear inside its bucket (PromQL's
         ``histogram_quantile``); the highest finite bound when it falls in ``+Inf``; ``None``
-        with no observations."""
-        total = self.count
+        with no observations. ``drop_top``: the quantile of the observations but the largest
+        ``drop_top`` (``None`` when that leaves none)."""
+        total = self.count - drop_top
         if total <= 0:
             return None
         rank = q * total
@@ -273,6 +274,8 @@ class LaneController:
     limit: int = 0
     started_at: float | None = None
     _history: deque[ServerSnapshot] = field(default_factory=deque)
+    #: Batch lines the runner had sent when each snapshot of ``_history`` was taken.
+    _sent: deque[int] = field(default_factory=deque)
     _changed_at: float = -math.inf
     _started: bool = False
     _last_read_at: float | None = None
@@ -329,17 +332,26 @@ class LaneController:
 
     # Decision ---------------------------------------------------------------------------------
 
-    def _window_start(self, at: float) -> ServerSnapshot | None:
+    def _window_start(self, at: float) -> tuple[ServerSnapshot, int] | None:
         since = max(at - self.settings.window_seconds, self._changed_at)
-        for snap in self._history:
+        for snap, sent in zip(self._history, self._sent, strict=True):
             if snap.at >= since - 1e-9:
-                return snap
+                return snap, sent
         return None
 
     def update(
-        self, at: float, snapshot: ServerSnapshot | None, in_flight: int, urgent: bool
+        self,
+        at: float,
+        snapshot: ServerSnapshot | None,
+        in_flight: int,
+        urgent: bool,
+        sent: int | None = None,
     ) -> LaneDecision:
-        """The limit for the next interval (see the module docstring)."""
+        """The limit for the next interval (see the module docstring). ``sent``: batch lines
+        sent to the server so far (a running count); their first tokens are in the server's
+        TTFT histogram too, and are taken out of the window's p95 as its slowest (batch lines
+        rank below real-time ones and carry the longer prompts), so TTFT is the real-time
+        users'. ``None``: nothing is taken out."""
         s = self.settings
         previous = self.limit
         if self.started_at is None:
@@ -357,19 +369,23 @@ class LaneController:
             # real-time load, not the speed without batch work.
             self._learn(snapshot, in_flight)
         self._history.append(snapshot)
+        self._sent.append(sent or 0)
         while self._history and self._history[0].at < at - 2 * s.window_seconds:
             self._history.popleft()
+            self._sent.popleft()
         rt_running = max(0, round(snapshot.running) - in_flight)
         room = max(0, self.max_num_seqs - rt_running)  # never queue batch lines at the server
-        start = self._window_start(snapshot.at)
+        window = self._window_start(snapshot.at)
         tpot = ttft = None
-        if start is not None and start is not snapshot:
+        if window is not None and window[0] is not snapshot:
+            start, sent_then = window
             tpot_delta = snapshot.tpot.minus(start.tpot) if snapshot.tpot else None
             if tpot_delta is not None and tpot_delta.count >= s.min_tokens:
                 tpot = tpot_delta.quantile(0.95)
             ttft_delta = snapshot.ttft.minus(start.ttft) if snapshot.ttft else None
-            if ttft_delta is not None and ttft_delta.count >= s.min_requests:
-                ttft = ttft_delta.quantile(0.95)
+            own = max(0, (sent or 0) - sent_then)
+            if ttft_delta is not None and ttft_delta.count - own >= s.min_requests:
+                ttft = ttft_delta.quantile(0.95, drop_top=own)
         tpot_target, ttft_target = self.tpot_target(), self.ttft_target()
         args = (in_flight, rt_running, snapshot.waiting, tpot, ttft, tpot_target, ttft_target)
 

@@ -117,6 +117,8 @@ class SimServer:
         self._rt_running: list[_RtRequest] = []
         self._batch_waiting: deque[EngineRequest] = deque()
         self._batch_running: dict[str, EngineRequest] = {}
+        #: Batch requests not yet given a first token, and when they were added.
+        self._batch_added: dict[str, float] = {}
         self._finish: list[tuple[int, str]] = []
         self.steps = 0
         self.itl, self.ttft = _Hist(), _Hist()
@@ -133,11 +135,13 @@ class SimServer:
 
     def add(self, request: EngineRequest) -> None:
         self._batch_waiting.append(request)
+        self._batch_added[request.request_id] = self.clock.time()
 
     def abort(self, request_ids: list[str]) -> None:
         doomed = set(request_ids)
         for rid in doomed:
             self._batch_running.pop(rid, None)
+            self._batch_added.pop(rid, None)
         self._batch_waiting = deque(r for r in self._batch_waiting if r.request_id not in doomed)
 
     def num_unfinished(self) -> int:
@@ -197,6 +201,9 @@ class SimServer:
         now = self.clock.time() - self.origin
         self.itl.observe(cost, running)
         self.batch_tokens.append((now, len(self._batch_running)))
+        for rid in [r for r in self._batch_added if r in self._batch_running]:
+            # A real server's TTFT histogram counts every request's, batch lines' too.
+            self.ttft.observe(self.clock.time() - self._batch_added.pop(rid))
         still = []
         for r in self._rt_running:
             r.tokens += 1
