@@ -417,6 +417,9 @@ class Settings(BaseSettings):
 
     api_host: str = "127.0.0.1"
     api_port: int = 8000
+    #: Uvicorn worker processes of ``offpeak serve`` / ``offpeak up`` (``--workers`` overrides):
+    #: status polls are CPU-bound Python, one process serves one core (docs/benchmarks.md).
+    api_workers: int = Field(default=1, ge=1)
 
     # Accounting (``workers.accounting``): prices, and how engine time is split among batches.
     #: Real-time list prices and GPU costs per served model; a model absent here lists at 0.

@@ -22,6 +22,9 @@ app.conf.beat_schedule_filename = str(get_settings().data_dir.resolve() / "celer
 
 import workers.liveness  # noqa: E402,F401  (registers and heartbeats the worker when ready)
 import workers.tasks  # noqa: E402,F401  (registers the tasks on ``app``)
+from workers import profiling  # noqa: E402
+
+profiling.install()  # only with OFFPEAK_PROFILE_DIR set (the benchmarks' --profile)
 
 log = logging.getLogger(__name__)
 

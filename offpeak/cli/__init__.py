@@ -57,7 +57,9 @@ def migrate() -> None:
 def serve(
     host: Annotated[str | None, typer.Option(help="Interface to bind.")] = None,
     port: Annotated[int | None, typer.Option(help="TCP port.")] = None,
-    workers: Annotated[int, typer.Option(help="Uvicorn worker processes.")] = 1,
+    workers: Annotated[
+        int | None, typer.Option(help="Uvicorn worker processes (default: api_workers).")
+    ] = None,
 ) -> None:
     """Run the HTTP API (expects ``offpeak migrate`` to have run)."""
     import uvicorn
@@ -68,7 +70,7 @@ def serve(
         factory=True,
         host=host or settings.api_host,
         port=port or settings.api_port,
-        workers=workers,
+        workers=workers or settings.api_workers,
         log_level="info",
     )
 

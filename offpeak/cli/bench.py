@@ -60,12 +60,55 @@ def intake(
 @bench_app.command("control")
 def control(
     lines: Annotated[int, typer.Option(help="Lines in the batch.")] = 50_000,
+    profile: Annotated[
+        Path | None,
+        typer.Option(help="Folder for the workers' cProfile files (slows them; not a result)."),
+    ] = None,
     out: OutDir = None,
 ) -> None:
-    """The instant engine: requests/s from create to the output file downloaded."""
+    """The instant engine: requests/s from create to the output file downloaded, against the
+    database's floor (the same row transitions in bare SQL) on the same database."""
     from bench import control as module
 
-    module.run(lines, out)
+    module.run(lines, out, profile)
+
+
+@bench_app.command("overhead")
+def overhead(
+    lines: Annotated[int, typer.Option(help="Lines in the batch.")] = 20_000,
+    min_tokens: Annotated[int, typer.Option(help="Smallest max_tokens of a line.")] = 8,
+    max_tokens: Annotated[int, typer.Option(help="Largest max_tokens of a line.")] = 24,
+    step_ms: Annotated[float, typer.Option(help="The fake's step: fixed milliseconds.")] = 10.0,
+    per_seq_ms: Annotated[
+        float, typer.Option(help="The fake's step: milliseconds per running sequence.")
+    ] = 0.1,
+    max_num_seqs: Annotated[int, typer.Option(help="The fake's running sequences at most.")] = 256,
+    out: OutDir = None,
+) -> None:
+    """The runner on a GPU-like fake engine (sleeps a step, a token per running sequence)
+    against the fake's own tokens/s with requests always waiting."""
+    from bench import overhead as module
+
+    cost = module.StepCost(step_ms, per_seq_ms, max_num_seqs)
+    module.run(lines, min_tokens, max_tokens, cost, out)
+
+
+@bench_app.command("polls")
+def polls(
+    api_workers: Annotated[
+        list[int] | None,
+        typer.Option("--api-workers", help="API worker processes per run (repeat; default 1 2)."),
+    ] = None,
+    clients: Annotated[int, typer.Option(help="Concurrent clients.")] = 50,
+    seconds: Annotated[float, typer.Option(help="Seconds of polling per run.")] = 60.0,
+    batches: Annotated[int, typer.Option(help="Finished batches to poll.")] = 20,
+    lines: Annotated[int, typer.Option(help="Lines per batch (the download's size).")] = 200,
+    out: OutDir = None,
+) -> None:
+    """Status polls with workers idle: retrieve / list / download latencies and rates."""
+    from bench import polls as module
+
+    module.run(tuple(api_workers or (1, 2)), clients, seconds, batches, lines, out)
 
 
 @bench_app.command("memory")
