@@ -514,7 +514,7 @@ def victims(running: Mapping[str, str], keep: int, urgent: Callable[[str], bool]
     excess = len(running) - keep
     if excess <= 0:
         return []
-    newest = list(reversed(running))
+    newest: list[str] = list(reversed(list(running)))
     ordered = [r for r in newest if not urgent(running[r])] + [
         r for r in newest if urgent(running[r])
     ]

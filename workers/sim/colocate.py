@@ -366,8 +366,10 @@ def run_leg(leg: str, params: ColocateParams, lane: LaneSettings | None = None) 
             for r in done
             if r.done_at is not None and r.first_token_at is not None and r.tokens > 1
         ]
-        inside = (steps[:, 0] >= start) & (steps[:, 0] < end) if len(steps) else []
-        tokens = float(steps[inside, 1].sum()) if len(steps) else 0.0
+        tokens = 0.0
+        if len(steps):
+            inside = (steps[:, 0] >= start) & (steps[:, 0] < end)
+            tokens = float(steps[inside, 1].sum())
         # Little's law: real-time sequences running on average at this rate and the target.
         rt_running = rate * mean_reply * target
         result.phases.append(
