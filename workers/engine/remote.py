@@ -571,34 +571,42 @@ class RemoteEngine:
             self.server_meter.mark_busy()
 
     async def _send(self, request: EngineRequest, seq: int) -> None:
+        """One line's HTTP request; its outcome goes to ``step`` whatever happens, except a
+        cancel (``abort``), which propagates."""
+        try:
+            outcome = await self._exchange(request, seq)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # our bug, or httpx's: the line must not wait forever
+            fault = EngineFault(f"request {request.request_id} failed here: {exc!r}")
+            outcome = _Outcome(request.request_id, seq, fault=fault)
+        self._outcomes.put(outcome)
+
+    async def _exchange(self, request: EngineRequest, seq: int) -> _Outcome:
         assert self._client is not None
         rid = request.request_id
         try:
             response = await self._client.post("/v1/completions", json=self._body(request))
-        except (httpx.TimeoutException, httpx.TransportError) as exc:
+        except httpx.TransportError as exc:  # timeouts included
             # Refused, reset, or no answer in time: the server is away or overloaded, which is no
             # line's fault.
             fault = EngineFault(f"{self.base_url} failed request {rid}: {exc!r}", blameless=True)
-            self._outcomes.put(_Outcome(rid, seq, fault=fault))
-            return
+            return _Outcome(rid, seq, fault=fault)
         if response.status_code in _VERDICTS:
             refused = refusal(request, _error_message(response))
-            result = EngineResult(rid, 0, 0, [], refused=refused)
-            self._outcomes.put(_Outcome(rid, seq, result=result))
-        elif response.status_code != 200:
+            return _Outcome(rid, seq, result=EngineResult(rid, 0, 0, [], refused=refused))
+        if response.status_code != 200:
             fault = EngineFault(
                 f"{self.base_url} answered {response.status_code} to request {rid}: "
                 f"{response.text[:300]}"
             )
-            self._outcomes.put(_Outcome(rid, seq, fault=fault))
-        else:
-            try:
-                result = self._to_result(rid, request.sampling, response.json())
-            except Exception as exc:  # an answer we cannot read: the server's, not the line's
-                fault = EngineFault(f"unreadable answer to request {rid}: {exc!r}")
-                self._outcomes.put(_Outcome(rid, seq, fault=fault))
-                return
-            self._outcomes.put(_Outcome(rid, seq, result=result))
+            return _Outcome(rid, seq, fault=fault)
+        try:
+            return _Outcome(
+                rid, seq, result=self._to_result(rid, request.sampling, response.json())
+            )
+        except Exception as exc:  # an answer we cannot read: the server's, not the line's
+            return _Outcome(rid, seq, fault=EngineFault(f"unreadable answer to {rid}: {exc!r}"))
 
     def _body(self, request: EngineRequest) -> dict[str, Any]:
         return completion_body(self.served_model_name, request, self.priority + request.priority)
