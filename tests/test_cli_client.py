@@ -620,3 +620,27 @@ def test_a_host_that_cannot_load_the_tokenizer_validates_without_an_estimate(
     assert validated.status == "in_progress"
     assert (validated.model_extra or {}).get("estimate") is None
     assert any("no cost estimate" in r.getMessage() for r in caplog.records)
+
+
+def test_an_endpoint_that_raises_while_estimating_does_not_fail_validation(
+    settings: Settings, tenant: Tenant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injected: the endpoint's ``prepare`` raises something unexpected for every line;
+    the batch still validates, with its lines counted as invalid in the estimate."""
+    from offpeak import endpoints
+
+    chat = endpoints.ENDPOINTS["/v1/chat/completions"]
+
+    def broken(_body: object, _tokenizer: object) -> None:
+        raise KeyError("a bug in an endpoint module")
+
+    monkeypatch.setattr(chat, "prepare", broken)
+    file = tenant.sdk.files.create(file=("in.jsonl", jsonl(line("a", MODEL))), purpose="batch")
+    batch = tenant.sdk.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    validate(settings, batch.id)
+    validated = tenant.sdk.batches.retrieve(batch.id)
+    assert validated.status == "in_progress"
+    estimate = (validated.model_extra or {})["estimate"]
+    assert estimate["requests"] == 0 and estimate["invalid_requests"] == 1

@@ -244,7 +244,11 @@ class BatchEstimator:
                 return
             self.estimate = Estimate(model)
         assert self._tokenizer is not None
-        self.estimate.add(raw, self._tokenizer, endpoint)
+        try:
+            self.estimate.add(raw, self._tokenizer, endpoint)
+        except Exception:  # an endpoint's own bug must not fail the file: count, log, go on
+            log.exception("estimating a %s line of %s failed", endpoint, model)
+            self.estimate.invalid_requests += 1
 
     def as_json(self, settings: Settings) -> dict[str, Any] | None:
         """The batch's ``estimate``, or ``None`` when none could be made."""
