@@ -85,6 +85,7 @@ def _error(params: dict[str, Any], engine: InstantEngine | None = None) -> LineE
         ({"stop_sequences": ["ok", " "]}, "stop_sequences.1", "non-whitespace"),
         ({"messages": []}, "messages", "at least 1 item"),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role", "'user'"),
+        ({"messages": [{"role": "user", "content": ""}]}, "messages.0", "non-empty content"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
             "messages.0.content",

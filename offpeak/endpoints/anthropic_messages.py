@@ -107,6 +107,21 @@ class MessageParams(BaseModel):
             raise fail("unsupported_parameter", f"{name}: not supported by this server", name)
         return value
 
+    @field_validator("messages")
+    @classmethod
+    def _non_empty(cls, value: list[MessageParam]) -> list[MessageParam]:
+        # Anthropic's rule: every turn has text, except a final assistant turn (a prefill).
+        for i, message in enumerate(value):
+            last_assistant = i == len(value) - 1 and message.role == "assistant"
+            if not message.content and not last_assistant:
+                raise fail(
+                    "invalid_value",
+                    f"messages.{i}: all messages must have non-empty content except for the "
+                    "optional final assistant message",
+                    f"messages.{i}",
+                )
+        return value
+
     @field_validator("stop_sequences")
     @classmethod
     def _stops(cls, value: list[str] | None) -> list[str] | None:
