@@ -405,7 +405,8 @@ def main() -> None:
     except openai.APIConnectionError as exc:
         console.print(
             f"[red]cannot reach the Offpeak API: {exc}[/red] (is `offpeak serve` running, "
-            "and OPENAI_BASE_URL right?)"
+            "and OPENAI_BASE_URL right?)",
+            soft_wrap=True,
         )
         raise SystemExit(exit_codes.UNREACHABLE) from None
     except sqlalchemy.exc.OperationalError as exc:
@@ -419,5 +420,5 @@ def main() -> None:
             message = exc.response.json()["error"]["message"]
         except Exception:  # not our error shape (a proxy's page): show the status only
             message = exc.response.text[:200]
-        console.print(f"[red]error {exc.status_code}: {message}[/red]")
+        console.print(f"[red]error {exc.status_code}: {message}[/red]", soft_wrap=True)
         raise SystemExit(exit_codes.ERROR) from None

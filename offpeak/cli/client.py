@@ -19,7 +19,6 @@ from rich.progress import (
     ProgressColumn,
     Task,
     TextColumn,
-    TimeElapsedColumn,
 )
 from rich.table import Table
 from rich.text import Text
@@ -162,12 +161,11 @@ def wait_with_progress(
     server's, else ``model``) or no control worker is alive. It never fails the wait."""
     warned: set[str] = set()
     next_health = 0.0
+    # 80 columns: the batch id is printed above by ``submit``; elapsed time is left out.
     columns = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(bar_width=24),
+        BarColumn(bar_width=20),
         TextColumn("{task.fields[finished]}"),
         TextColumn("{task.fields[detail]}"),
-        TimeElapsedColumn(),
         _EtaColumn(),
     )
     with Progress(*columns, console=console, transient=False) as progress:
@@ -189,7 +187,7 @@ def wait_with_progress(
                 total=(counts.total or None) if counts else None,
                 completed=progress_position(batch, time.time()),
                 finished=f"{done}/{counts.total if counts else '?'}",
-                detail=f"{batch.status} · {tokens:,} out tok · {rate:.0f} tok/s",
+                detail=f"{batch.status} · {tokens:,} out tok · {rate:,.0f} tok/s",
                 eta=None if ended else (batch.model_extra or {}).get("estimated_completion_at"),
             )
             if ended:
