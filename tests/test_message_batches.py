@@ -533,3 +533,17 @@ def test_a_large_create_is_accepted_and_a_lone_surrogate_refused_in_anthropics_s
     assert raw.status_code == 400
     assert raw.json()["type"] == "error" and raw.json()["error"]["type"] == "invalid_request_error"
     assert "surrogate" in raw.json()["error"]["message"]
+
+
+def test_openai_wording_of_an_unserved_model_line(settings: Settings) -> None:
+    """Issue 13 part 5: a line naming a model not served fails the OpenAI batch with
+    ``model_not_found`` in OpenAI's recorded wording, which clients match on."""
+    from tests.helpers import line, validate
+
+    batch, _ = validate(settings, line("a", model="gpt-9"))
+    assert batch.status == "failed"
+    error = batch.errors[0]
+    assert (error["code"], error["param"], error["line"]) == ("model_not_found", "body.model", 1)
+    assert error["message"].startswith(
+        "The provided model 'gpt-9' is not supported by the Batch API."
+    )
