@@ -179,11 +179,12 @@ async def _stream_chat(
 
 class RealtimeLoad:
     """Open-loop Poisson arrivals of streaming chat requests over ``phases`` (``(start, end,
-    rate per second)`` in seconds after ``start()``), on an event loop in a thread of its own."""
+    rate per second, seed)`` in seconds after ``start()``; each phase draws from its own seed,
+    so the same phase brings the same requests in every leg), on an event loop in a thread of
+    its own."""
 
-    def __init__(self, base: str, name: str, phases: list[tuple[float, float, float]], seed: int):
+    def __init__(self, base: str, name: str, phases: list[tuple[float, float, float, int]]) -> None:
         self.base, self.name, self.phases = base, name, phases
-        self.rng = np.random.default_rng(seed)
         self.records: list[RtRecord] = []
         self.t0 = 0.0
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
@@ -199,10 +200,11 @@ class RealtimeLoad:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(base_url=self.base, timeout=120, limits=limits) as client:
             tasks = []
-            for start, end, rate in self.phases:
+            for start, end, rate, seed in self.phases:
+                rng = np.random.default_rng(seed)
                 at = start
                 while rate > 0:
-                    at += float(self.rng.exponential(1 / rate))
+                    at += float(rng.exponential(1 / rate))
                     if at >= end:
                         break
                     delay = self.t0 + at - time.perf_counter()
@@ -211,7 +213,7 @@ class RealtimeLoad:
                     record = RtRecord(at)
                     self.records.append(record)
                     question = RT_QUESTIONS[len(self.records) % len(RT_QUESTIONS)]
-                    reply = int(self.rng.integers(RT_REPLY[0], RT_REPLY[1] + 1))
+                    reply = int(rng.integers(RT_REPLY[0], RT_REPLY[1] + 1))
                     tasks.append(
                         asyncio.create_task(
                             _stream_chat(client, self.name, question, reply, record)
@@ -335,13 +337,12 @@ def run_leg(
     deployment, not per phase); times are reported from the first phase's start (the pre-roll
     negative)."""
     leg = Leg(name)
+    seeded = [(s + pre_roll, e + pre_roll, r, seed + i) for i, (s, e, r) in enumerate(phases)]
     if pre_roll:
-        phases = [(0.0, pre_roll, phases[0][2])] + [
-            (s + pre_roll, e + pre_roll, r) for s, e, r in phases
-        ]
+        seeded.insert(0, (0.0, pre_roll, phases[0][2], seed + 1000))
     t0 = time.perf_counter()
-    horizon = max(end for _, end, _ in phases)
-    load = RealtimeLoad(base, model, [p for p in phases if p[2] > 0], seed)
+    horizon = max(end for _, end, _, _ in seeded)
+    load = RealtimeLoad(base, model, [p for p in seeded if p[2] > 0])
     load.start(t0)
     if batch_settings is not None and engine is not None:
         counting = CountingEngine(engine)
@@ -403,8 +404,11 @@ def run(
     out_dir: Path | None = None,
     plot: Path | None = Path("docs/colocate.png"),
     seed: int = 0,
+    server_url: str | None = None,
 ) -> dict[str, Any]:
-    """The four legs on one server; prints the table, writes ``colocate.json`` and the plot."""
+    """The four legs on one server; prints the table, writes ``colocate.json`` and the plot.
+    ``server_url``: an already running server (started with ``--max-num-seqs 32
+    --scheduling-policy priority``) instead of one started here."""
     from workers.engine import registry
     from workers.model_store import ensure_model
     from workers.planner import StepModel, largest_batch
@@ -418,14 +422,14 @@ def run(
     machine = harness.machine()
     lane_defaults = LaneSettings()
     port = harness._free_port()
-    base = f"http://127.0.0.1:{port}"
+    base = (server_url or f"http://127.0.0.1:{port}").rstrip("/")
     with tempfile.TemporaryDirectory(prefix="offpeak-colocate-") as tmp:
         folder = Path(tmp)
         log_path = folder / "vllm-serve.log"
-        proc = start_server(model_dir, name, port, log_path)
+        proc = None if server_url else start_server(model_dir, name, port, log_path)
         try:
             harness.console.print(f"vllm serve on {base} …")
-            start_s = wait_ready(base, proc, log_path)
+            start_s = wait_ready(base, proc, log_path) if proc else 0.0
             harness.console.print("step model on the server …")
             calibration = calibrate_server(base, name, (1, 8) if quick else (1, 4, 8, 16))
             step = StepModel(calibration["base_ms"], calibration["per_seq_ms"])
@@ -489,7 +493,8 @@ def run(
                     )  # fmt: skip
                 registry.close_all()
         finally:
-            stop_server(proc)
+            if proc is not None:
+                stop_server(proc)
     result = _result(legs, named, phase, step, calibration, floor_batch, capacity, machine,
                       start_s, quick, bound_tokens_per_s, lane_defaults)  # fmt: skip
     _print(result)

@@ -137,13 +137,14 @@ def draw_colocate(result: dict[str, Any], output: Path) -> Path:
         batch = timeline["batch_tokens"]
         twin = ax.twinx()
         if batch:
-            end = max(a for a, _ in batch)
+            end = phase if leg == "d" else 3 * phase
             bins = np.arange(0, end + 5, 5.0)
             sums, _ = np.histogram([a for a, _ in batch], bins, weights=[t for _, t in batch])
             twin.step(bins[:-1], sums / 5.0, where="post", color="#2a9d4b", label="batch tok/s")
         twin.set_ylabel("batch tokens/s", color="#2a9d4b")
         ax.set_title(titles.get(leg, leg), fontsize=10)
-        ax.legend(loc="upper left", fontsize=8)
+        if rt:
+            ax.legend(loc="upper left", fontsize=8)
     axes[-1, 0].set_xlabel("seconds (phases: quiet | busy | quiet)")
     fig.suptitle(
         "Co-serving through one vllm serve (2-core CPU): real-time latency per request, "

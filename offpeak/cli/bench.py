@@ -151,13 +151,17 @@ def colocate(
         "docs/colocate.png"
     ),
     seed: Annotated[int, typer.Option(help="Random seed (arrivals, reply lengths).")] = 0,
+    server_url: Annotated[
+        str | None,
+        typer.Option(help="Use this running server (--max-num-seqs 32, priority scheduling)."),
+    ] = None,
     out: OutDir = None,
 ) -> None:
     """Co-serving through one real vllm serve: real-time alone, + batch with the lane off,
     + batch with the lane controller, batch alone (about 12 minutes; run it under flock)."""
     from bench import colocate as module
 
-    module.run(quick, phase_seconds, out, plot, seed)
+    module.run(quick, phase_seconds, out, plot, seed, server_url)
 
 
 @bench_app.command("plot")
