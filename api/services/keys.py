@@ -1,9 +1,19 @@
-"""API keys: each belongs to a tenant and is stored as its SHA-256 only."""
+"""API keys: each belongs to a tenant and is stored as its SHA-256 only.
+
+``tenant_for_key`` keeps the tenant of each key it found for ``KEY_CACHE_SECONDS`` in this
+process (status polls are most of the API's requests, and each asked the database for its key
+first): a key revoked elsewhere (``offpeak keys revoke`` in another process, or another API
+worker) stops working within that bound; revoked through this process, at once. Unknown keys
+are never cached, so a key created a moment ago works on its first request.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import secrets
+import threading
+import time
+from collections import OrderedDict
 
 from sqlalchemy.orm import Session
 
@@ -12,6 +22,44 @@ from storage.models import ApiKey, Tenant
 from storage.repositories import tenants as tenants_repo
 
 KEY_PREFIX = "sk-offpeak-"
+#: Seconds a found key's tenant is reused without asking the database (the revocation bound).
+KEY_CACHE_SECONDS = 5.0
+#: Keys remembered at most (least recently used go first).
+KEY_CACHE_SIZE = 10_000
+
+
+class _KeyCache:
+    """key hash → (tenant id, name, created_at, when looked up; ``time.monotonic``), LRU."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[str, tuple[str, str, int, float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key_hash: str) -> Tenant | None:
+        with self._lock:
+            entry = self._entries.get(key_hash)
+            if entry is None:
+                return None
+            if time.monotonic() - entry[3] > KEY_CACHE_SECONDS:
+                del self._entries[key_hash]
+                return None
+            self._entries.move_to_end(key_hash)
+        # A transient copy (never added to a session): callers read its columns only.
+        return Tenant(id=entry[0], name=entry[1], created_at=entry[2])
+
+    def put(self, key_hash: str, tenant: Tenant) -> None:
+        with self._lock:
+            self._entries[key_hash] = (tenant.id, tenant.name, tenant.created_at, time.monotonic())
+            self._entries.move_to_end(key_hash)
+            while len(self._entries) > KEY_CACHE_SIZE:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_cache = _KeyCache()
 
 
 def hash_key(key: str) -> str:
@@ -41,7 +89,17 @@ def ensure_key(session: Session, tenant_name: str, key: str) -> None:
 
 
 def tenant_for_key(session: Session, key: str) -> Tenant | None:
-    return tenants_repo.tenant_for_key_hash(session, hash_key(key))
+    """The tenant of an unrevoked ``key``, or ``None``; from this process's cache when it was
+    looked up in the last ``KEY_CACHE_SECONDS`` (then a transient ``Tenant``: read its
+    columns, do not add it to a session)."""
+    key_hash = hash_key(key)
+    cached = _cache.get(key_hash)
+    if cached is not None:
+        return cached
+    tenant = tenants_repo.tenant_for_key_hash(session, key_hash)
+    if tenant is not None:
+        _cache.put(key_hash, tenant)
+    return tenant
 
 
 def list_keys(session: Session, tenant_name: str | None = None) -> list[tuple[ApiKey, str]]:
@@ -60,4 +118,5 @@ def revoke_key(session: Session, key_id: str) -> ApiKey:
     key = tenants_repo.revoke(session, key_id, now())
     if key is None:
         raise UnknownKeyError(key_id)
+    _cache.clear()  # this process honours it at once; others within KEY_CACHE_SECONDS
     return key

@@ -287,7 +287,9 @@ class Runner:
                 self._step()
                 looked_again = False
                 if self.clock.monotonic() - self._last_flush >= self.settings.flush_seconds:
-                    self._flush()
+                    # On the wall clock the periodic write-back overlaps the next steps
+                    # (``workers.runner.writeback``); every other flush waits for it.
+                    self._flush(background=self.heartbeat is not None)
                 continue
             if self._lane_waits() and not (until is not None and until()):
                 # The lane has no room at the server yet (learning, or real-time is busy): its
@@ -596,17 +598,19 @@ class Runner:
         ids = self.held.row_ids() + self.writer.row_ids()
         self.store.renew(self.owner, time.time() + self.settings.lease_seconds, ids)
 
-    def _flush(self) -> None:
+    def _flush(self, background: bool = False) -> None:
         """Write results and accounting, renew leases, and stop the lines of batches that were
         cancelled or ran out of time. Keeps everything for the next try when the database is
-        unreachable."""
+        unreachable. ``background``: start the write and act on the previous one's report."""
         self._last_flush = self.clock.monotonic()
         at = self.clock.time()
         # The pending results are written before the leases are renewed: only held lines.
-        report = self.writer.write(at, self.held.row_ids(), self.held.batch_ids())
+        report = self.writer.write(
+            at, self.held.row_ids(), self.held.batch_ids(), background=background
+        )
         if report is None:
             return
-        if self.heartbeat:
+        if self.heartbeat and report.renewed:
             self.heartbeat.renewed()
         if report.lost:
             self._drop_lost(set(report.lost))

@@ -54,6 +54,8 @@ class WriteBackReport:
 
     statuses: dict[str, tuple[str, float]]
     lost: list[int] = field(default_factory=list)
+    #: Whether this write-back renewed the held lines' leases (``WriteBack.held_ids`` given).
+    renewed: bool = True
 
 
 class WorkStore(Protocol):
