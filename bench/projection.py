@@ -12,12 +12,17 @@ lengths. Every assumption is a named parameter and is printed with the result.
 - Prefill is compute bound: ``2 × parameters × prompt tokens`` FLOPs per request at an achieved
   fraction of the peak bf16 FLOP rate, added to decode time (chunked prefill overlaps some of it,
   so this errs on the slow side).
+- Offpeak's own cost: the engine's tokens/s times the runner's measured efficiency at GPU-like
+  step rates, ``ratio`` of ``bench/results/overhead.json`` (``offpeak bench overhead``: the
+  real runner on a fake engine that sleeps a 10 ms + 0.1 ms × running step, against the fake
+  alone), not an assumption. Without that file, 1.0 and the output says so.
 - Dollars: the GPU's price per hour over the tokens it produces in that hour.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +60,30 @@ class Assumptions:
     prompt_tokens: int = 1000
     output_tokens: int = 500
     price_per_hour: float = 3.50
+    #: Offpeak's tokens/s over the engine's alone at GPU step rates (``bench overhead``'s
+    #: measured ``ratio``); ``None``: read it from ``overhead.json`` (1.0 if there is none).
+    runner_efficiency: float | None = None
+
+
+def measured_runner_efficiency(results: Path | None = None) -> tuple[float, str]:
+    """``(ratio, source)`` from ``overhead.json`` in ``results`` (default bench/results)."""
+    path = (results or harness.RESULTS_DIR) / "overhead.json"
+    if not path.exists():
+        return 1.0, "not measured (no overhead.json): 1.0"
+    data = json.loads(path.read_text())
+    ratio = min(1.0, float(data["ratio"]))
+    load = data["offpeak"].get("load_average")
+    return ratio, f"measured by offpeak bench overhead ({path.name}, load {load})"
 
 
 def project(a: Assumptions | None = None) -> dict[str, Any]:
     """The projection's figures (tokens/s, $ per million tokens) and the planner's reasoning."""
     a = a or Assumptions()
+    source = "given"
+    if a.runner_efficiency is None:
+        efficiency, source = measured_runner_efficiency()
+        a = replace(a, runner_efficiency=efficiency)
+    assert a.runner_efficiency is not None
     kv = planner.kv_bytes_per_token(LLAMA_31_8B)
     weights = planner.weights_bytes(LLAMA_31_8B_PARAMETERS, planner.dtype_bytes("bfloat16"))
     usable = int(a.memory_bytes * a.gpu_memory_utilization - a.runtime_overhead_bytes)
@@ -84,7 +108,10 @@ def project(a: Assumptions | None = None) -> dict[str, Any]:
     step_ms = max(memory_step_ms, compute_step_ms)
     decode_tokens_per_s = batch * 1000 / step_ms
     prefill_s = 2 * LLAMA_31_8B_PARAMETERS * a.prompt_tokens / flops
-    seconds_per_request = a.output_tokens / decode_tokens_per_s + prefill_s
+    engine_seconds_per_request = a.output_tokens / decode_tokens_per_s + prefill_s
+    engine_output_tokens_per_s = a.output_tokens / engine_seconds_per_request
+    # The runner's claims, write-backs and accounting, measured at GPU-like step rates.
+    seconds_per_request = engine_seconds_per_request / a.runner_efficiency
     output_tokens_per_s = a.output_tokens / seconds_per_request
     tokens_per_s = (a.prompt_tokens + a.output_tokens) / seconds_per_request
     dollars_per_s = a.price_per_hour / 3600
@@ -106,6 +133,9 @@ def project(a: Assumptions | None = None) -> dict[str, Any]:
         "compute_step_ms": compute_step_ms,
         "decode_tokens_per_s": decode_tokens_per_s,
         "prefill_ms_per_request": prefill_s * 1e3,
+        "engine_output_tokens_per_s": engine_output_tokens_per_s,
+        "runner_efficiency": a.runner_efficiency,
+        "runner_efficiency_source": source,
         "output_tokens_per_s": output_tokens_per_s,
         "requests_per_s": output_tokens_per_s / a.output_tokens,
         "dollars_per_million_output_tokens": dollars_per_s / output_tokens_per_s * 1e6,
@@ -129,6 +159,9 @@ def run(price_per_hour: float = 3.50, out_dir: Path | None = None) -> dict[str, 
             ["decode step", f"{p['decode_step_ms']:.1f} ms ({p['decode_bound']} bound)"],
             ["decode tokens/s", f"{p['decode_tokens_per_s']:,.0f}"],
             ["prefill per request", f"{p['prefill_ms_per_request']:.2f} ms"],
+            ["engine output tokens/s", f"{p['engine_output_tokens_per_s']:,.0f}"],
+            ["× Offpeak's runner efficiency",
+             f"{p['runner_efficiency']:.3f} ({p['runner_efficiency_source']})"],
             ["output tokens/s", f"{p['output_tokens_per_s']:,.0f}"],
             ["requests/s to keep it fed", f"{p['requests_per_s']:,.1f}"],
             [f"per M output tokens at {format_usd(a['price_per_hour'])}/h",

@@ -68,3 +68,35 @@ def test_control_command_runs(tmp_path: Path) -> None:
     (run,) = report["runs"]
     assert run["lines"] == 500 and run["requests_per_s"] > 0
     assert run["engine_rss_peak_mb"] >= run["engine_rss_baseline_mb"] > 0
+    # The database's floor ran on the same lines, in the claims' chunk size, and was cleaned up.
+    floor = run["floor"]
+    assert floor["lines"] == 500 and floor["chunks"] >= 1 and floor["chunk"] >= 1
+    assert floor["requests_per_s"] > 0 and run["floor_ratio"] > 0
+    assert set(report["met"]) == {"requests_per_s", "floor_ratio"}
+
+
+def test_overhead_command_runs(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app,
+        ["bench", "overhead", "--lines", "300", "--step-ms", "1", "--per-seq-ms", "0.01",
+         "--max-num-seqs", "32", "--out", str(tmp_path)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "overhead.json").read_text())
+    leg, ideals = report["offpeak"], report["ideal"]
+    # Both legs generated the same tokens for the same lines; the runner's through the database.
+    assert leg["requests"] == 300 and all(i["requests"] == 300 for i in ideals)
+    assert leg["tokens"] == ideals[0]["tokens"] == ideals[1]["tokens"] > 0
+    assert 0 < report["ratio"] and set(report["met"]) == {"ratio"}
+
+
+def test_polls_command_runs(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app,
+        ["bench", "polls", "--api-workers", "1", "--clients", "4", "--seconds", "2",
+         "--batches", "2", "--lines", "5", "--out", str(tmp_path)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (run,) = json.loads((tmp_path / "polls.json").read_text())["runs"]
+    assert run["errors"] == {} and run["retrieve"]["count"] > 0
+    assert run["list"]["count"] + run["download"]["count"] > 0
