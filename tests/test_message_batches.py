@@ -55,7 +55,7 @@ def _model(settings: Settings) -> str:
     return next(iter(settings.models))
 
 
-def _request(custom_id: str, model: str, **params: Any) -> dict[str, Any]:
+def _request(custom_id: str, model: str, **params: Any) -> Any:
     body = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
     return {"custom_id": custom_id, "params": {**body, **params}}
 
@@ -347,8 +347,8 @@ def test_each_surface_shows_only_its_own_batches(
         file = client.files.create(file=("x.jsonl", b"{}\n"), purpose="batch")
         client.batches.create(
             input_file_id=file.id,
-            endpoint="/v1/messages",
-            completion_window="24h",  # type: ignore[arg-type]
+            endpoint="/v1/messages",  # type: ignore[arg-type]
+            completion_window="24h",
         )
 
 
@@ -406,7 +406,8 @@ def test_a_batch_runs_ends_and_bills_only_its_succeeded_requests(
     assert ended.results_url == f"http://testserver/v1/messages/batches/{batch.id}/results"
     lines = {r.custom_id: r.result for r in claude.messages.batches.results(batch.id)}
     assert set(lines) == {"ok-1", "stream", "tools", "other", "ok-2"}
-    assert lines["ok-1"].type == "succeeded" and lines["ok-1"].message.content[0].text == "OK"
+    assert lines["ok-1"].type == "succeeded"
+    assert lines["ok-1"].message.content[0].text == "OK"  # type: ignore[union-attr]
     assert lines["ok-1"].message.stop_reason == "end_turn"
     for custom_id, param in (("stream", "stream"), ("tools", "tools")):
         result = lines[custom_id]

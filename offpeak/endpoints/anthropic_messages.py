@@ -190,6 +190,8 @@ class AnthropicMessages(Endpoint[MessageParams]):
         return LineError(f"{where}: {error['msg']}", where, error["type"])
 
     def engine_input(self, body: MessageParams, tokenizer: Tokenizer) -> EngineInput:
+        # An engine (``workers.engine.base.Engine``) names the model it serves; a tokenizer
+        # without a name (the cost estimate's) checks nothing here.
         served = getattr(tokenizer, "model_name", body.model)
         if body.model != served:
             # Anthropic's answer for a model it does not have (404 ``not_found_error``).

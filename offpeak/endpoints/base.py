@@ -33,8 +33,6 @@ class Tokenizer(Protocol):
 
     #: Context window in tokens (prompt + completion).
     max_model_len: int
-    #: The served model's name (an endpoint whose lines may name another model refuses them).
-    model_name: str
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of ``messages`` (``{role, content}`` with text content) rendered with the
