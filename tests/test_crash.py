@@ -39,6 +39,10 @@ MODEL = "SmolLM2-135M-Instruct"
 ENGINES = ("engine-a", "engine-b")
 #: Seconds a claim stays valid without a heartbeat (flushes renew it every half second).
 LEASE_SECONDS = 6
+#: The longest reply of a test batch (replies run from a sixth of it): decoding is most of a
+#: test's time (96 tokens: 161 s for the SIGKILL test on a loaded machine), while 8 to 48
+#: tokens still leave most lines running when the fault comes after the second one finished.
+MAX_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +178,7 @@ def submit(client: OpenAI, prefix: str, n: int, max_tokens: int) -> tuple[str, l
 def test_engine_worker_killed_mid_chunk(
     stack: ServiceProcesses, client: OpenAI, crash_settings: Settings
 ) -> None:
-    batch_id, ids = submit(client, "kill", 32, 96)
+    batch_id, ids = submit(client, "kill", 32, MAX_TOKENS)
     pids = {stack.procs[name].pid: name for name in ENGINES}
 
     def holder() -> str | None:
@@ -240,7 +244,7 @@ def test_batch_completes_across_a_restart(
     own_redis: RedisServer,
     service: str,
 ) -> None:
-    batch_id, ids = submit(client, f"restart-{service}", 32, 96)
+    batch_id, ids = submit(client, f"restart-{service}", 32, MAX_TOKENS)
     wait_until(
         lambda: lines_by_status(crash_settings, batch_id).get("succeeded", 0) >= 2,
         stack,

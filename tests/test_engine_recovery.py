@@ -51,7 +51,10 @@ def test_a_200_line_seeded_batch_answers_every_line(
 def test_killing_the_engine_core_mid_batch_fails_no_line(
     live_sdk: OpenAI, live: ServiceProcesses, live_settings: Settings
 ) -> None:
-    ids = [f"k{i}" for i in range(120)]
+    # After the kill every line that was in the engine is a suspect, and suspects run one at a
+    # time (``workers.runner.held.SUSPECT_ATTEMPTS``): the rerun takes a step per token of each
+    # in turn. 120 lines took 432 s on a loaded machine; 40 leave 30 suspects, the same check.
+    ids = [f"k{i}" for i in range(40)]
     lines = [chat_line(i, f"Write a sentence about the number {i}.", max_tokens=24) for i in ids]
     batch = submit(live_sdk, lines)
     core = engine_core(live)
@@ -64,6 +67,6 @@ def test_killing_the_engine_core_mid_batch_fails_no_line(
     output, errors = check_ran_batch(live_sdk, batch, ids)
     assert batch.status == "completed"
     assert not errors, f"lines failed for the engine's death: {errors[:3]}"
-    assert len(output) == 120
+    assert len(output) == len(ids)
     check_billed_once(live_settings.resolved_database_url, batch)
     assert engine_core(live).pid != core.pid, "a new engine was started"
