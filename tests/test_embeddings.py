@@ -386,7 +386,7 @@ def test_the_pooling_engine_steps_lines_of_many_inputs(engine: Any, reference: A
     done = run(engine, requests, abort=["gone"])
     assert set(done) == {"one", "many"}
     vectors = np.stack([np.frombuffer(v, "<f4") for v in done["many"].embeddings])
-    assert vectors.shape == (len(many), engine.embedding_size == 384 and 384)
+    assert engine.embedding_size == 384 and vectors.shape == (len(many), 384)
     assert done["many"].prompt_tokens == sum(len(i) for i in ids(many))
     assert cosines(vectors, reference.encode(many)).min() >= 0.999
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)  # normalized
