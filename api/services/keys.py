@@ -113,7 +113,8 @@ class UnknownKeyError(LookupError):
 
 
 def revoke_key(session: Session, key_id: str) -> ApiKey:
-    """Revoke a key by id (``key_…``): from the next request on it gets 401. Idempotent: a key
+    """Revoke a key by id (``key_…``): it gets 401 from this process's next request on, from
+    other processes' within ``KEY_CACHE_SECONDS``. Idempotent: a key
     revoked already keeps its first ``revoked_at``. Raises ``UnknownKeyError``."""
     key = tenants_repo.revoke(session, key_id, now())
     if key is None:

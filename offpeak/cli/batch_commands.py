@@ -152,8 +152,8 @@ def keys_list_command(
 def keys_revoke_command(
     key_id: Annotated[str, typer.Argument(help="The key's id (key_…).")],
 ) -> None:
-    """Revoke a key by its id (``offpeak keys list`` shows ids): from its next request on the
-    API answers 401. Revoking it again changes nothing."""
+    """Revoke a key by its id (``offpeak keys list`` shows ids): the API answers it 401 within
+    5 s (each API process caches keys that long). Revoking it again changes nothing."""
     from api.services import keys
     from storage.db import session_scope
 
