@@ -484,3 +484,24 @@ def test_one_final_status_makes_one_outbox_event(settings: Settings, tenant: Acc
             .where(WebhookEvent.object_id == batch_id)
         )
     assert deliveries == 1
+
+
+def test_a_message_batch_ending_sends_no_openai_event(
+    settings: Settings, tenant: AcctTenant
+) -> None:
+    """OpenAI's events name ``/v1/batches`` objects: a Message Batch (Anthropic's surface) that
+    ends writes none, though its tenant subscribes to every event."""
+    tenant.sdk.webhooks.create(name="msgs", url="http://127.0.0.1:9/", event_types=ALL)
+    batch_id = make(settings, tenant, 1, MODEL, prefix="m")
+    run(settings, MODEL)
+    end(settings, batch_id)
+    with session_scope(settings.resolved_database_url) as session:
+        batch = session.get(Batch, batch_id)
+        assert batch is not None
+        session.expunge(batch)
+    before = _events_of(settings, batch_id)
+    assert before == 1  # an OpenAI batch's end made its event
+    batch.id, batch.endpoint = f"{batch_id}-as-message-batch", "/v1/messages"
+    with session_scope(settings.resolved_database_url) as session:
+        worker_webhooks.record_final(session, settings, batch)
+    assert _events_of(settings, batch.id) == 0

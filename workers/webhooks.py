@@ -21,6 +21,7 @@ from functools import partial
 from sqlalchemy.orm import Session
 
 from offpeak import webhooks
+from offpeak.endpoints import BATCH_ENDPOINTS
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings
 from storage import task_messages
@@ -42,7 +43,9 @@ def record_final(session: Session, settings: Settings, batch: Batch) -> None:
     status), and send the delivery task once it commits. A batch that already has the event
     (finalize running again) gets no second one: ``dedupe_key`` is unique."""
     event_type = webhooks.EVENT_OF_STATUS.get(batch.status)  # type: ignore[call-overload]
-    if event_type is None:
+    if event_type is None or batch.endpoint not in BATCH_ENDPOINTS:
+        # OpenAI's events name /v1/batches objects; a Message Batch (Anthropic's surface, which
+        # has no webhooks) would send an id that /v1/batches answers with a 404.
         return
     endpoint_ids = webhooks_repo.subscribed_endpoint_ids(session, batch.tenant_id, event_type)
     if not endpoint_ids:
