@@ -46,6 +46,7 @@ from workers.engine.release import startup_seconds
 from workers.planner import StepModel
 from workers.runner import results
 from workers.runner.admission import prepare_chunk
+from workers.runner.claim_ahead import ClaimAhead
 from workers.runner.held import HeldLine, HeldLines
 from workers.runner.writeback import ResultWriter
 from workers.scheduler import scheduler_metrics as metrics
@@ -198,6 +199,11 @@ class Runner:
             if isinstance(self.clock, WallClock)
             else None
         )
+        #: Claims on a thread while the engine steps; off in the simulation (virtual clock) and
+        #: with the batch lane, which sends lines to a shared server to an exact limit.
+        self.claim_ahead = (
+            ClaimAhead() if isinstance(self.clock, WallClock) and self.lane is None else None
+        )
 
     def replace_engine(self, engine: Engine) -> None:
         """Drive ``engine`` from now on (a new one after the old failed). Only between runs: the
@@ -313,6 +319,7 @@ class Runner:
                 break
             self.clock.sleep(self.policy.load_poll_seconds)
         # Lines queued but not admissible (a hard pause) go back rather than wait out a lease.
+        self._settle_claim()
         queued = self.held.take_queued(lambda _h: True)
         self.writer.release([h.row for h in queued], count_attempt=False)
 
@@ -475,6 +482,7 @@ class Runner:
     def _yield(self) -> None:
         """The gate closed: hand back queued lines and, with ``abort_on_yield`` (always on a hard
         pause), abort running ones, except urgent batches' (none on a hard pause)."""
+        self._settle_claim()
         if not self.held:
             return  # nothing was running: nothing to yield
         leave = lambda h: not self._admissible(h.row.batch_id)  # noqa: E731
@@ -514,8 +522,8 @@ class Runner:
                 self.settings.chunk_size,
                 self.policy.min_claim,
             )
-            if limit:
-                claimed = self._claim(at, limit)
+            if limit and (done := self._claim_or_ahead(at, limit)) is not None:
+                claimed, limit = done
                 if len(claimed) < limit:
                     # The model has no more runnable lines right now: look again later.
                     self._next_claim_at = at + self.settings.flush_seconds
@@ -530,6 +538,26 @@ class Runner:
 
     def _refused(self, held: HeldLine, error: LineError) -> None:
         self.writer.add(results.failed(held.row, error, self.clock.time()))
+
+    def _claim_or_ahead(self, at: float, limit: int) -> tuple[list[ClaimedRequest], int] | None:
+        """``(claimed, asked)``: a claim of ``limit`` lines. On the wall clock while sequences
+        run, it is made on the claim thread (``workers.runner.claim_ahead``) and this returns
+        ``None`` until it is done (then its lines and the limit it asked for)."""
+        ahead = self.claim_ahead
+        if ahead is None:
+            return self._claim(at, limit), limit
+        done = ahead.take(wait=not self.held.running)
+        if done is not None or not self.held.running:
+            return done or (self._claim(at, limit), limit)
+        if not ahead.busy:
+            ahead.start(lambda: self._claim(at, limit), limit)
+        return None
+
+    def _settle_claim(self) -> None:
+        """Wait for a claim in flight and queue its lines (before they are handed back)."""
+        done = self.claim_ahead.take(wait=True) if self.claim_ahead else None
+        if done is not None and done[0]:
+            self._accept(done[0])
 
     def _claim(self, at: float, limit: int) -> list[ClaimedRequest]:
         only = None if self.gate.open else set(self._urgent)
@@ -671,6 +699,10 @@ class Runner:
         for the lease. Lines that were inside the engine keep the attempt their claim counted:
         one of them may be the cause (``workers.runner.held.SUSPECT_ATTEMPTS``); queued lines
         do not, nor does any line with ``count_attempt=False`` (a blameless engine fault)."""
+        try:
+            self._settle_claim()
+        except Exception:  # the claim failed too: its lines, if any, wait out their lease
+            log.exception("the claim in flight failed")
         running = self.held.take_running(lambda _h: True)
         queued = self.held.take_queued(lambda _h: True)
         self._abort_quietly([h.request_id for h in running])
@@ -694,6 +726,7 @@ class Runner:
     def _hand_back_all(self) -> None:
         """The worker is stopping: abort what runs, write what finished, and hand every held
         line back to pending without counting an attempt (nothing went wrong with them)."""
+        self._settle_claim()
         running = self.held.take_running(lambda _h: True)
         queued = self.held.take_queued(lambda _h: True)
         self._abort_quietly([h.request_id for h in running])
