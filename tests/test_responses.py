@@ -479,7 +479,7 @@ def test_vllms_refusal_of_a_schema_names_the_lines_schema_param() -> None:
     params = to_sampling_params(spec)
     config = StructuredOutputsConfig(backend="xgrammar")
     with pytest.raises(Exception) as info:  # noqa: PT011 (vLLM's own error type)
-        params._validate_structured_outputs(SimpleNamespace(is_diffusion=False), config, object())
+        params._validate_structured_outputs(SimpleNamespace(is_diffusion=False), config, object())  # type: ignore[arg-type]
     refusal = _refusal(request, info.value)
     assert (refusal.param, refusal.code) == ("p.q", "invalid_json_schema")
     assert isinstance(refusal, ValueError) and "$defs" in str(refusal)
