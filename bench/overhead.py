@@ -63,7 +63,7 @@ class SteppedEngine:
     Tokens of prompts are UTF-8 bytes; every generated token is id 120 (``x``). Requests wait
     in FIFO order (priority ignored) until one of ``max_num_seqs`` slots is free."""
 
-    def __init__(self, cost: StepCost, model_name: str = MODEL, max_model_len: int = 8192):
+    def __init__(self, cost: StepCost, model_name: str = MODEL, max_model_len: int = 8192) -> None:
         self.cost = cost
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -169,7 +169,9 @@ def ideal(cost: StepCost, tokens: list[int]) -> dict[str, Any]:
     }
 
 
-def offpeak_leg(service: harness.Service, folder: Path, cost: StepCost, tokens: list[int]):
+def offpeak_leg(
+    service: harness.Service, folder: Path, cost: StepCost, tokens: list[int]
+) -> dict[str, Any]:
     """Upload and validate the lines through the service, then drain them with the real
     runner in this process on the fake; the batch is finalized afterwards and checked."""
     from offpeak.settings import get_settings

@@ -43,7 +43,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
 
 
-def prepare(service: harness.Service, folder: Path, batches: int, lines: int) -> tuple:
+def prepare(
+    service: harness.Service, folder: Path, batches: int, lines: int
+) -> tuple[list[str], list[str]]:
     """``batches`` completed batches of ``lines`` lines each; their ids and output file ids."""
     path = folder / "polls.jsonl"
     write_padded_file(path, lines, lines * 256, model=MODEL)

@@ -87,7 +87,7 @@ def test_overhead_command_runs(tmp_path: Path) -> None:
     # Both legs generated the same tokens for the same lines; the runner's through the database.
     assert leg["requests"] == 300 and all(i["requests"] == 300 for i in ideals)
     assert leg["tokens"] == ideals[0]["tokens"] == ideals[1]["tokens"] > 0
-    assert 0 < report["ratio"] and set(report["met"]) == {"ratio"}
+    assert report["ratio"] > 0 and set(report["met"]) == {"ratio"}
 
 
 def test_polls_command_runs(tmp_path: Path) -> None:
