@@ -22,7 +22,7 @@ from offpeak.endpoints import SamplingSpec, records
 from offpeak.endpoints.base import StructuredOutput
 from offpeak.settings import DEFAULT_MODEL, Settings
 from storage.repositories.requests import ClaimedRequest
-from tests.helpers import validate
+from tests.helpers import line, validate
 from workers.engine.base import EngineRequest, EngineResult, RequestRefused
 from workers.engine.instant import InstantEngine
 from workers.runner.admission import prepare_chunk
@@ -460,6 +460,18 @@ def test_validation_stores_responses_lines_and_requires_input(settings: Settings
     batch, rows = validate(settings, responses_line("a") + b"\n", endpoint=RESPONSES)
     assert batch.status == "failed" and rows == 0
     assert batch.errors[0]["code"] == "missing_required_parameter"
+
+
+def test_a_responses_line_that_streams_fails_alone(settings: Settings) -> None:
+    """Issue 12: ``stream`` on a responses line is a 400 line naming it (the body model refuses
+    it when the line runs), not a refused file as on chat lines."""
+    data = responses_line("a", input="Hi") + b"\n" + responses_line("s", input="Hi", stream=True)
+    batch, rows = validate(settings, data + b"\n", endpoint=RESPONSES)
+    assert batch.status != "failed" and rows == 2
+    assert refused(RESPONSES, resp(stream=True))[0] == "stream"
+    chat, chat_rows = validate(settings, line("x", body_stream=True) + b"\n")
+    assert chat.status == "failed" and chat_rows == 0
+    assert chat.errors[0]["code"] == "streaming_unsupported"
 
 
 def test_vllms_refusal_of_a_schema_names_the_lines_schema_param() -> None:

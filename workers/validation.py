@@ -88,6 +88,7 @@ class _Checker:
         #: ``False``: a line's stream/model problems fail it alone when it runs, on ``model``
         #: (``Endpoint.refuses_file_for_body``).
         self.refuses_file = served.refuses_file_for_body if served else True
+        self.refuses_stream = served.refuses_file_for_stream if served else True
         self.max_requests = (
             served.max_requests_per_batch if served and served.max_requests_per_batch else None
         ) or settings.max_requests_per_batch
@@ -170,7 +171,7 @@ class _Checker:
                     wire.INVALID_REQUEST, "The batch names no model to run on.", number
                 )
             return None
-        if body.get("stream"):
+        if body.get("stream") and self.refuses_stream:
             return wire.batch_error(
                 wire.STREAMING_UNSUPPORTED,
                 "Streaming is not supported in a batch.",

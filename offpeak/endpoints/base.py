@@ -131,6 +131,9 @@ class Endpoint(ABC, Generic[Body]):
     #: line runs on the batch's model, set when the batch is created, and the endpoint fails it
     #: alone (Anthropic's Message Batches check each request's params on their own).
     refuses_file_for_body: ClassVar[bool] = True
+    #: Whether a line setting ``stream`` fails the whole file (``streaming_unsupported``);
+    #: ``False``: the body model refuses it and the line fails alone, a 400 naming ``stream``.
+    refuses_file_for_stream: ClassVar[bool] = True
     #: The API surface whose batches hold its lines: ``openai`` (``/v1/batches``) or
     #: ``anthropic`` (``/v1/messages/batches``).
     surface: ClassVar[str] = "openai"
