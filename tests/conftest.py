@@ -31,6 +31,8 @@ REDIS_URL = os.environ.get("OFFPEAK_TEST_REDIS", "redis://127.0.0.1:6379/7")
 #: Input cases from users' bug reports, copied from the workspace's shared/cases so a clone
 #: carries them; OFFPEAK_CASES_DIR points the tests at another copy.
 CASES = Path(os.environ.get("OFFPEAK_CASES_DIR", Path(__file__).resolve().parent / "cases"))
+#: The live stack's ``scheduler.release_after_seconds``.
+LIVE_RELEASE_AFTER_SECONDS = 3
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -145,9 +147,15 @@ def sdk(http: TestClient, api_key: str) -> OpenAI:
 @pytest.fixture(scope="session")
 def live_env(base_env: dict[str, str], run_id: str) -> Iterator[dict[str, str]]:
     """The live stack's environment: its own database, so its sweep never acts on the
-    in-process tests' batches (with its own settings and prices)."""
+    in-process tests' batches (with its own settings and prices). Its engine is released 3 s
+    after its gate closes (``tests/test_release_engine.py``; nothing else closes it: its load
+    signal is ``idle`` and only that test pauses its pool)."""
     with fresh_database(f"offpeak_{run_id}_live") as url:
-        yield {**base_env, "OFFPEAK_DATABASE_URL": url}
+        yield {
+            **base_env,
+            "OFFPEAK_DATABASE_URL": url,
+            "OFFPEAK_SCHEDULER__RELEASE_AFTER_SECONDS": str(LIVE_RELEASE_AFTER_SECONDS),
+        }
 
 
 @pytest.fixture(scope="session")
