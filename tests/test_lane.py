@@ -285,7 +285,7 @@ def test_runner_follows_the_lane_and_aborts_back_to_pending(lane_settings: Setti
         step_model=StepModel(10.0, 5.0),  # 30 ms allows 4 sequences: the lane starts at 2
         lane_metrics=metrics,
     )
-    timer = threading.Timer(1.0, metrics.breach.set)
+    timer = threading.Timer(2.0, metrics.breach.set)
     timer.start()
     try:
         # ``until`` is asked only when nothing runs: after the breach drove the lane to zero.
