@@ -273,9 +273,9 @@ def lane_settings(settings: Settings) -> Settings:
 
 def test_runner_follows_the_lane_and_aborts_back_to_pending(lane_settings: Settings) -> None:
     tenant, _ = tenant_client(lane_settings)
-    lines = [line(f"r{i}", model=MODEL) for i in range(200)]
+    lines = [line(f"r{i}", model=MODEL) for i in range(600)]  # more than 2 s of work
     batch, _ = validate(lane_settings, b"\n".join(lines), tenant_name=tenant)
-    engine = HoldingEngine(MODEL)
+    engine = HoldingEngine(MODEL, steps=40)
     metrics = ScriptedMetrics(engine)
     runner = Runner(
         lane_settings,

@@ -355,10 +355,16 @@ class LaneController:
     # Decision ---------------------------------------------------------------------------------
 
     def _window_start(self, at: float) -> tuple[ServerSnapshot, int] | None:
+        """The snapshot the window starts at: the oldest within ``window_seconds`` and not
+        before the last change; when readings are further apart than the window (a runner
+        that slept), the one before the latest, unless the limit changed after it."""
         since = max(at - self.settings.window_seconds, self._changed_at)
-        for snap, sent in zip(self._history, self._sent, strict=True):
+        pairs = list(zip(self._history, self._sent, strict=True))
+        for snap, sent in pairs[:-1]:
             if snap.at >= since - 1e-9:
                 return snap, sent
+        if len(pairs) >= 2 and pairs[-2][0].at >= self._changed_at - 1e-9:
+            return pairs[-2]
         return None
 
     def update(
@@ -392,14 +398,14 @@ class LaneController:
             self._learn(snapshot, in_flight)
         self._history.append(snapshot)
         self._sent.append(sent or 0)
-        while self._history and self._history[0].at < at - 2 * s.window_seconds:
+        while len(self._history) > 2 and self._history[0].at < at - 2 * s.window_seconds:
             self._history.popleft()
             self._sent.popleft()
         rt_running = max(0, round(snapshot.running) - in_flight)
         room = max(0, self.max_num_seqs - rt_running)  # never queue batch lines at the server
         window = self._window_start(snapshot.at)
         tpot = ttft = None
-        if window is not None and window[0] is not snapshot:
+        if window is not None:
             start, sent_then = window
             tpot_delta = snapshot.tpot.minus(start.tpot) if snapshot.tpot else None
             if tpot_delta is not None and tpot_delta.count >= s.min_tokens:
