@@ -59,8 +59,9 @@ class _Line:
     vectors: list[bytes | None]
     #: Inputs not yet given to vLLM, by index.
     waiting: deque[int]
-    #: vLLM's ids of this line's inputs inside it.
-    inside: set[str] = field(default_factory=set)
+    #: This line's inputs inside vLLM: our id (``<line>#<index>``, which outputs carry) -> vLLM's
+    #: internal id (ours plus a random suffix, which ``abort_request(internal=True)`` takes).
+    inside: dict[str, str] = field(default_factory=dict)
     done: int = 0
 
 
@@ -89,7 +90,7 @@ class VllmPoolingEngine:
         self._lines: dict[str, _Line] = {}
         #: Lines with inputs not yet in vLLM, in the order they were added.
         self._feeding: deque[str] = deque()
-        #: vLLM's id of each input inside it -> (line id, input index).
+        #: Our id of each input inside vLLM (``<line>#<index>``) -> (line id, input index).
         self._inside: dict[str, tuple[str, int]] = {}
         self._closed = threading.Event()
         threading.Thread(
@@ -180,9 +181,10 @@ class VllmPoolingEngine:
                 self._feeding.popleft()
                 continue
             index = line.waiting.popleft()
+            input_id = f"{line_id}#{index}"
             try:
                 internal = self._engine.add_request(
-                    f"{line_id}#{index}",
+                    input_id,
                     _tokens_prompt(list(line.inputs[index])),
                     PoolingParams(task="embed", dimensions=line.dimensions),
                     priority=line.priority,
@@ -190,17 +192,21 @@ class VllmPoolingEngine:
             except _request_errors() as exc:
                 # Checked in ``add`` already; anything vLLM still refuses is the line's own.
                 raise RequestRefused(str(exc), f"input[{index}]") from exc
-            internal = internal if isinstance(internal, str) else f"{line_id}#{index}"
-            self._inside[internal] = (line_id, index)
-            line.inside.add(internal)
+            # Outputs carry our id; releases before request-id randomization return None.
+            self._inside[input_id] = (line_id, index)
+            line.inside[input_id] = internal if isinstance(internal, str) else input_id
 
     def step(self) -> list[EngineResult]:
         """Run one engine step; return the lines whose last input finished in it."""
         if _engine_core_dead(self._engine):
             raise RuntimeError(f"the engine core of {self.model_name} is dead")
         self._feed()
-        if not self._inside or not self._engine.has_unfinished_requests():
+        if not self._inside:
             return []
+        if not self._engine.has_unfinished_requests():
+            # Inputs we hold as inside that vLLM no longer has would never finish: a fault
+            # (the runner hands the lines back) rather than a loop stepping nothing forever.
+            raise RuntimeError(f"{len(self._inside)} inputs are missing from the engine")
         from vllm.outputs import PoolingRequestOutput
 
         results = []
@@ -212,7 +218,7 @@ class VllmPoolingEngine:
                 continue
             line_id, index = where
             line = self._lines[line_id]
-            line.inside.discard(output.request_id)
+            line.inside.pop(output.request_id, None)
             line.vectors[index] = _vector_bytes(output.outputs.data)
             line.done += 1
             if line.done == len(line.inputs):
@@ -238,9 +244,9 @@ class VllmPoolingEngine:
             line = self._lines.pop(request_id, None)
             if line is None:
                 continue
-            for vllm_id in line.inside:
-                self._inside.pop(vllm_id, None)
-            internal.extend(line.inside)
+            for input_id in line.inside:
+                self._inside.pop(input_id, None)
+            internal.extend(line.inside.values())
         if request_ids:
             self._feeding = deque(rid for rid in self._feeding if rid in self._lines)
         if not internal:
