@@ -47,12 +47,12 @@ from tests.services import free_port
 from tests.test_e2e import QUICKSTART, chat_line, submit
 from tests.test_engine_vllm import chat, one, request, run
 from workers.engine.remote import (
-    LocalTokenizer,
     RemoteEngine,
     ServerTokenizer,
     ServerTokens,
     ServerUnavailable,
     ServerUsage,
+    local_tokenizer,
     parse_server_tokens,
 )
 from workers.model_store import ensure_model
@@ -309,7 +309,7 @@ def test_same_tokens_and_usage_as_the_in_process_engine(engine: RemoteEngine, fo
 
 def test_tokenizers_agree_with_the_servers(engine: RemoteEngine, folder: Path) -> None:
     server_side = ServerTokenizer(httpx.Client(base_url=engine.base_url, timeout=30), MODEL)
-    local = LocalTokenizer(folder)
+    local = local_tokenizer(folder)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         {

@@ -26,6 +26,7 @@ from offpeak import endpoints, pricing
 from offpeak.endpoints.base import Tokenizer
 from offpeak.endpoints.errors import LineError
 from offpeak.settings import ModelConfig, Settings
+from workers.engine.chat_template import TemplateTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -39,41 +40,17 @@ class ModelTokenizer:
     def __init__(
         self, tokenizer: Any, max_model_len: int, embedding_size: int | None = None
     ) -> None:
-        self._tokenizer = tokenizer
         self.max_model_len = max_model_len
         #: An embedding model's vector size (``offpeak.endpoints.embeddings`` reads it, as it
         #: reads the pooling engine's); ``None`` for a text model.
         self.embedding_size = embedding_size
-        self._bos_id: int | None = tokenizer.bos_token_id
-        probe = tokenizer.encode("a")
-        self._adds_bos = self._bos_id is not None and bool(probe) and probe[0] == self._bos_id
-        self._lock = threading.Lock()  # HF fast tokenizers are not safe across threads
+        self._template = TemplateTokenizer(tokenizer, thread_safe=True)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        from workers.engine.vllm_engine import _flatten_message
-
-        try:
-            with self._lock:
-                rendered = self._tokenizer.apply_chat_template(
-                    [_flatten_message(m) for m in messages],
-                    tokenize=False,
-                    add_generation_prompt=True,
-                )
-        except ValueError:
-            raise
-        except Exception as exc:  # jinja2 errors, KeyError/TypeError from odd messages
-            raise ValueError(f"chat template cannot render these messages: {exc}") from exc
-        if not isinstance(rendered, str):
-            raise ValueError("chat template did not render to text")
-        with self._lock:
-            ids = list(self._tokenizer.encode(rendered, add_special_tokens=False))
-        if self._adds_bos and self._bos_id is not None and (not ids or ids[0] != self._bos_id):
-            ids.insert(0, self._bos_id)
-        return ids
+        return self._template.encode_chat(messages)
 
     def encode_text(self, text: str) -> list[int]:
-        with self._lock:
-            return list(self._tokenizer.encode(text))
+        return self._template.encode_text(text)
 
 
 @lru_cache(maxsize=8)

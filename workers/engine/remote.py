@@ -57,6 +57,7 @@ from workers.engine.base import (
     TokenLogprob,
     TopLogprob,
 )
+from workers.engine.chat_template import TemplateTokenizer, flatten_message
 from workers.scheduler.signals import parse_metrics
 
 log = logging.getLogger(__name__)
@@ -217,40 +218,11 @@ class ServerMeter:
 # --- Tokenization -----------------------------------------------------------------------------
 
 
-class LocalTokenizer:
+def local_tokenizer(path: Path) -> TemplateTokenizer:
     """The model's own tokenizer (a Hugging Face folder), rendering exactly as ``VllmEngine``."""
+    from transformers import AutoTokenizer
 
-    def __init__(self, path: Path) -> None:
-        from transformers import AutoTokenizer
-
-        self._tokenizer = AutoTokenizer.from_pretrained(str(path))
-        self._bos_id: int | None = self._tokenizer.bos_token_id
-        probe = self._tokenizer.encode("a")
-        self._adds_bos = self._bos_id is not None and bool(probe) and probe[0] == self._bos_id
-
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        from workers.engine.vllm_engine import _flatten_message
-
-        try:
-            rendered = self._tokenizer.apply_chat_template(
-                [_flatten_message(m) for m in messages], tokenize=False, add_generation_prompt=True
-            )
-        except ValueError:
-            raise
-        except Exception as exc:  # jinja2 errors, KeyError/TypeError from odd messages
-            raise ValueError(f"chat template cannot render these messages: {exc}") from exc
-        if not isinstance(rendered, str):
-            raise ValueError("chat template did not render to text")
-        ids = list(self._tokenizer.encode(rendered, add_special_tokens=False))
-        if self._adds_bos and self._bos_id is not None and (not ids or ids[0] != self._bos_id):
-            ids.insert(0, self._bos_id)
-        return ids
-
-    def encode_text(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text))
-
-    def count(self, text: str) -> int:
-        return len(self._tokenizer.encode(text, add_special_tokens=False))
+    return TemplateTokenizer(AutoTokenizer.from_pretrained(str(path)))
 
 
 class ServerTokenizer:
@@ -276,9 +248,7 @@ class ServerTokenizer:
         return [int(t) for t in response.json()["tokens"]]
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        from workers.engine.vllm_engine import _flatten_message
-
-        flat = [_flatten_message(m) for m in messages]
+        flat = [flatten_message(m) for m in messages]
         return self._tokenize({"messages": flat, "add_generation_prompt": True})
 
     def encode_text(self, text: str) -> list[int]:
@@ -326,7 +296,7 @@ class RemoteEngine:
         self,
         model_name: str,
         config: ModelConfig,
-        tokenizer: LocalTokenizer | ServerTokenizer | None,
+        tokenizer: TemplateTokenizer | ServerTokenizer | None,
         max_model_len: int,
         *,
         client: httpx.Client | None = None,
@@ -417,7 +387,7 @@ class RemoteEngine:
                 "(set served_model_name)"
             )
         max_model_len = int(models[served] or config.max_model_len)
-        tokenizer = LocalTokenizer(tokenizer_path) if tokenizer_path is not None else None
+        tokenizer = local_tokenizer(tokenizer_path) if tokenizer_path is not None else None
         engine = cls(name, config, tokenizer, max_model_len, client=client)
         log.info(
             "%s: remote engine on %s (model %s, max_model_len %d, priority %d, %d in flight, "

@@ -34,6 +34,7 @@ from workers.engine.base import (
     TokenLogprob,
     TopLogprob,
 )
+from workers.engine.chat_template import TemplateTokenizer
 
 if TYPE_CHECKING:
     from vllm import LLM, SamplingParams
@@ -69,11 +70,7 @@ class VllmEngine:
         #: Requests added and neither finished nor aborted, by our request id; ``step`` returns
         #: only these.
         self._pending: dict[str, _InFlight] = {}
-        self._bos_id: int | None = self._tokenizer.bos_token_id
-        # Whether the tokenizer puts a BOS in front of plain text (SmolLM2's does not); chat ids
-        # get one only if the tokenizer would add it and the template did not already write it.
-        probe = self._tokenizer.encode("a")
-        self._adds_bos = self._bos_id is not None and bool(probe) and probe[0] == self._bos_id
+        self._template = TemplateTokenizer(self._tokenizer)
         #: Started in vLLM's sleep mode: ``sleep`` frees the device memory, ``wake_up`` refills it.
         self.can_sleep = bool(getattr(llm.llm_engine.model_config, "enable_sleep_mode", False))
         self._closed = threading.Event()
@@ -124,34 +121,14 @@ class VllmEngine:
     # Tokenization ---------------------------------------------------------------------------
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of ``messages`` in the model's chat template plus the assistant prompt.
-
-        Content given as OpenAI content parts is joined when every part is text. The template's
-        own BOS is kept and never doubled. Raises ``ValueError`` for messages the template cannot
-        render (missing role or content, non-text parts, a template error).
-        """
-        try:
-            rendered = self._tokenizer.apply_chat_template(
-                [_flatten_message(m) for m in messages],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-        except ValueError:
-            raise
-        except Exception as exc:  # jinja2 errors, KeyError/TypeError from odd messages
-            raise ValueError(f"chat template cannot render these messages: {exc}") from exc
-        if not isinstance(rendered, str):
-            raise ValueError("chat template did not render to text")
-        # The template writes its special tokens as text; encoding it with the tokenizer's own
-        # specials as well would put a second BOS in front (Llama 3 style templates).
-        ids = list(self._tokenizer.encode(rendered, add_special_tokens=False))
-        if self._adds_bos and self._bos_id is not None and (not ids or ids[0] != self._bos_id):
-            ids.insert(0, self._bos_id)
-        return ids
+        """Token ids of ``messages`` in the model's chat template plus the assistant prompt
+        (``workers.engine.chat_template``: text content parts joined, the BOS never doubled).
+        Raises ``ValueError`` for messages the template cannot render."""
+        return self._template.encode_chat(messages)
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of a plain completion prompt, with the tokenizer's BOS if it adds one."""
-        return list(self._tokenizer.encode(text))
+        return self._template.encode_text(text)
 
     @property
     def _engine(self) -> LLMEngine:
@@ -476,19 +453,6 @@ def _tokens_prompt(token_ids: list[int]) -> Any:
 
         return TokensPrompt(prompt_token_ids=list(token_ids))
     return tokens_input(list(token_ids))
-
-
-def _flatten_message(message: dict[str, Any]) -> dict[str, Any]:
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"only text content parts are supported, not {kind!r}")
-        texts.append(str(part.get("text", "")))
-    return {**message, "content": "".join(texts)}
 
 
 def _log_effective_config(name: str, llm: LLM, requested: dict[str, Any]) -> None:
