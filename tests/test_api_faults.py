@@ -486,16 +486,24 @@ def test_openapi_declares_what_each_route_answers(http: TestClient) -> None:
     assert statuses("/v1/files/{file_id}", "get") == {"200", "400", "401", "404"}
     assert statuses("/v1/models", "get") == {"200", "401"}
     error = {"$ref": "#/components/schemas/ErrorResponse"}
+    # Anthropic's surface answers errors in Anthropic's shape (``api.errors``).
+    anthropic_error = {"$ref": "#/components/schemas/AnthropicErrorResponse"}
     for path, operations in paths.items():
+        expected = anthropic_error if path.startswith("/v1/messages") else error
         for method, operation in operations.items():
             for status, response in operation["responses"].items():
                 if status.startswith(("4", "5")):
-                    assert response["content"]["application/json"]["schema"] == error, (
+                    assert response["content"]["application/json"]["schema"] == expected, (
                         method, path, status
                     )  # fmt: skip
             if path.startswith("/v1/"):
                 assert "401" in operation["responses"], (method, path)
-                assert operation["security"] in ([{"ApiKey": []}], [{"AdminKey": []}])
+                schemes = (
+                    ([{"XApiKey": []}, {"ApiKey": []}],)  # Anthropic's x-api-key, or a bearer
+                    if path.startswith("/v1/messages")
+                    else ([{"ApiKey": []}], [{"AdminKey": []}])
+                )
+                assert operation["security"] in schemes, (method, path)
     content = paths["/v1/files/{file_id}/content"]["get"]["responses"]["200"]["content"]
     assert set(content) == {"application/octet-stream"}
     assert "HTTPValidationError" not in str(document)  # FastAPI's 422 body is never sent
