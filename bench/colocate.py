@@ -11,11 +11,15 @@ quiet, busy (near the server's real-time capacity), quiet. Four legs in one run:
 (c) real-time + Offpeak with the lane controller at its defaults;
 (d) batch alone: the server's batch capacity.
 
-The step model (``base + per_seq × batch`` ms) is measured on the same server at the start
-(concurrent streaming requests, client-measured TPOT, ``workers.calibration.fit_step_model``).
-From it: the real-time capacity (the largest batch at the TPOT target, each request holding a
-slot for its reply at that speed, Little's law) and, per phase, the bound: the batch tokens/s
-the step model allows under the target beside the real-time sequences leg (a) measured.
+The step model is measured on the same server at the start: a decode step of ``base +
+per_seq × batch`` ms (concurrent streaming requests, client-measured TPOT,
+``workers.calibration.fit_step_model``) and a prefill cost per prompt token (the latency of
+one-token completions of uncached prompts of two lengths). On this CPU prefill is what a
+request costs the others (measured: 60 ms + 2.7 ms per sequence a decode step, about 2 ms per
+prompt token of prefill), so both enter the yardsticks (``SharedStep``): the real-time capacity
+(the arrival rate at which the mean step reaches the TPOT floor) and, per phase, the bound: the
+batch tokens/s the model allows beside that phase's real-time arrivals while the mean step stays
+at the lane's TPOT target, each batch line bringing its measured uncached prompt and reply.
 
 Targets (the defaults of ``LaneSettings``): TTFT p95 and TPOT p95 at most ``ratio ×`` leg (a)'s
 quiet-phase p95 (the real-time latency with no batch work); in (c) inside them in every phase
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import statistics
@@ -253,6 +258,83 @@ def calibrate_server(base: str, name: str, sizes: tuple[int, ...]) -> dict[str, 
             "points": [asdict(p) for p in points]}  # fmt: skip
 
 
+def measure_prefill(base: str, name: str, lengths: tuple[int, int] = (64, 512)) -> dict[str, Any]:
+    """Seconds per prompt token of prefill: the least-squares slope of one-token completion
+    latency against prompt length (random token ids, so the prefix cache never hits), median of
+    three per length, on an idle server."""
+    rng = np.random.default_rng(7)
+    medians = []
+    with httpx.Client(base_url=base, timeout=120) as client:
+        for length in lengths:
+            times = []
+            for _ in range(3):
+                prompt = [int(t) for t in rng.integers(1000, 40000, size=length)]
+                body = {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+                started = time.perf_counter()
+                client.post("/v1/completions", json=body).raise_for_status()
+                times.append(time.perf_counter() - started)
+            medians.append(statistics.median(times))
+    slope = (medians[1] - medians[0]) / (lengths[1] - lengths[0])
+    return {"prefill_s_per_token": max(slope, 0.0), "lengths": list(lengths),
+            "latency_s": medians}  # fmt: skip
+
+
+def prompt_tokens(base: str, name: str) -> int:
+    """Prompt tokens of a real-time request (the system prompt and a question, templated)."""
+    body = {
+        "model": name, "max_tokens": 1,
+        "messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                     {"role": "user", "content": RT_QUESTIONS[0]}],
+    }  # fmt: skip
+    response = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+    response.raise_for_status()
+    return int(response.json()["usage"]["prompt_tokens"])
+
+
+@dataclass(frozen=True)
+class SharedStep:
+    """The bench's yardstick for a server whose steps every sequence shares: a decode step of
+    ``base_s + per_seq_s × running`` seconds plus ``prefill_s_per_token`` for each prompt token
+    prefilled, prefill mixed into the same steps (vLLM's scheduler). The mean step ``s`` with
+    real-time arrivals ``rate``/s (``prompt`` tokens, ``reply`` tokens each) and ``batch`` batch
+    lines in flight (``batch_prompt`` uncached prompt tokens, ``batch_reply`` tokens each) solves
+    ``s = base + per_seq × (rate × reply × s + batch) + prefill × (rate × prompt × s + batch ×
+    batch_prompt / batch_reply)`` (Little's law: a request holds a sequence for ``reply`` steps;
+    a batch line is replaced every ``batch_reply`` steps). With ``prefill_s_per_token`` 0 it is
+    ``workers.scheduler.lane``'s decode-only model."""
+
+    base_s: float
+    per_seq_s: float
+    prefill_s_per_token: float
+
+    def _load(self, rate: float, prompt: float, reply: float) -> float:
+        return rate * (self.per_seq_s * reply + self.prefill_s_per_token * prompt)
+
+    def mean_step(self, rate: float, prompt: float, reply: float, batch: float = 0.0,
+                  batch_prompt: float = 0.0, batch_reply: float = 1.0) -> float:  # fmt: skip
+        """Seconds; ``inf`` when the real-time arrivals alone saturate the server."""
+        free = 1.0 - self._load(rate, prompt, reply)
+        if free <= 0:
+            return math.inf
+        per_line = self.per_seq_s + self.prefill_s_per_token * batch_prompt / batch_reply
+        return (self.base_s + batch * per_line) / free
+
+    def capacity(self, target: float, prompt: float, reply: float) -> float:
+        """Real-time requests/s at which the mean step reaches ``target`` seconds."""
+        return (1.0 - self.base_s / target) / (
+            self.per_seq_s * reply + self.prefill_s_per_token * prompt
+        )
+
+    def bound(self, target: float, rate: float, prompt: float, reply: float,
+              batch_prompt: float, batch_reply: float) -> tuple[float, float]:  # fmt: skip
+        """``(batch lines, batch tokens/s)`` the model allows beside the arrivals with the mean
+        step at ``target`` seconds: each line makes one token per step."""
+        per_line = self.per_seq_s + self.prefill_s_per_token * batch_prompt / batch_reply
+        lines = (target * (1.0 - self._load(rate, prompt, reply)) - self.base_s) / per_line
+        lines = max(0.0, lines)
+        return lines, lines / target
+
+
 # --- Offpeak's side ---------------------------------------------------------------------------
 
 
@@ -262,6 +344,8 @@ class CountingEngine:
     def __init__(self, engine: Any) -> None:
         self._engine = engine
         self.finished: list[tuple[float, int]] = []
+        #: Per finished line: (uncached prompt tokens, completion tokens).
+        self.lines: list[tuple[int, int]] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -270,7 +354,9 @@ class CountingEngine:
         results = self._engine.step()
         now = time.perf_counter()
         for r in results:
-            self.finished.append((now, sum(len(c.token_ids) for c in r.completions)))
+            tokens = sum(len(c.token_ids) for c in r.completions)
+            self.finished.append((now, tokens))
+            self.lines.append((r.prompt_tokens - r.cached_tokens, tokens))
         return results
 
 
@@ -318,6 +404,8 @@ class Leg:
     records: list[RtRecord] = field(default_factory=list)
     finished: list[tuple[float, int]] = field(default_factory=list)
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    #: Per finished batch line: (uncached prompt tokens, completion tokens).
+    lines: list[tuple[int, int]] = field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
 
@@ -351,6 +439,7 @@ def run_leg(
             batch_settings, counting, t0 + horizon, step_model
         )
         leg.finished = [(at - t0, tokens) for at, tokens in counting.finished]
+        leg.lines = counting.lines
         leg.decisions = [
             {**{k: getattr(d, k) for k in (
                 "limit", "action", "reason", "in_flight", "realtime_running", "waiting",
@@ -413,7 +502,6 @@ def run(
     from workers.engine import registry
     from workers.model_store import ensure_model
     from workers.planner import StepModel, largest_batch
-    from workers.scheduler.lane import bound_tokens_per_s
 
     phase = phase_seconds or (15.0 if quick else 60.0)
     name = DEFAULT_MODEL
@@ -433,18 +521,25 @@ def run(
             start_s = wait_ready(base, proc, log_path) if proc else 0.0
             harness.console.print("step model on the server …")
             calibration = calibrate_server(base, name, (1, 8) if quick else (1, 4, 8, 16))
+            calibration["prefill"] = measure_prefill(base, name)
+            calibration["realtime_prompt_tokens"] = rt_prompt = prompt_tokens(base, name)
             step = StepModel(calibration["base_ms"], calibration["per_seq_ms"])
+            shared = SharedStep(step.base_ms / 1000, step.per_seq_ms / 1000,
+                                calibration["prefill"]["prefill_s_per_token"])  # fmt: skip
             tpot_floor = lane_defaults.tpot_ratio * step.step_seconds(1)
             floor_batch = largest_batch(step, 1.0 / tpot_floor, memory_limit=MAX_NUM_SEQS)
             mean_reply = sum(RT_REPLY) / 2
-            capacity = max(floor_batch, 1) / (mean_reply * tpot_floor)
+            # Prefill included: the decode-only model put it at 4.4 requests/s, where real-time
+            # work alone queued for 30 s (measured).
+            capacity = shared.capacity(tpot_floor, rt_prompt, mean_reply)
             labels = ("quiet", "busy", "quiet again")
             rates = (QUIET * capacity, BUSY * capacity, QUIET * capacity)
             phases = [(i * phase, (i + 1) * phase, r) for i, r in enumerate(rates)]
             named = [(lab, s, e) for lab, (s, e, _) in zip(labels, phases, strict=True)]
             harness.console.print(
-                f"step {step.base_ms:.1f} ms + {step.per_seq_ms:.2f} ms/seq; TPOT floor "
-                f"{1000 * tpot_floor:.0f} ms -> {floor_batch} sequences; real-time capacity "
+                f"step {step.base_ms:.1f} ms + {step.per_seq_ms:.2f} ms/seq, prefill "
+                f"{1000 * shared.prefill_s_per_token:.2f} ms/token ({rt_prompt} per real-time "
+                f"prompt); TPOT floor {1000 * tpot_floor:.0f} ms; real-time capacity "
                 f"{capacity:.2f} req/s"
             )
             lines = 300 if quick else 3000
@@ -487,7 +582,8 @@ def run(
                 for leg_name, leg_phases, leg_settings in plan:
                     _wait_idle(base)
                     harness.console.print(f"leg ({leg_name}) …")
-                    pre = lane_defaults.learn_seconds + 4 if leg_name == "c" else 0.0
+                    # The lane learns its baselines, then slow-starts, before the phases.
+                    pre = lane_defaults.learn_seconds + 10 if leg_name == "c" else 0.0
                     legs[leg_name] = run_leg(
                         leg_name, base, name, leg_phases, leg_settings,
                         engine if leg_settings else None, step, seed, pre,
@@ -496,8 +592,9 @@ def run(
         finally:
             if proc is not None:
                 stop_server(proc)
+    yardstick = (shared, rt_prompt, mean_reply, rates)
     result = _result(legs, named, phase, step, calibration, floor_batch, capacity, machine,
-                      start_s, quick, bound_tokens_per_s, lane_defaults)  # fmt: skip
+                      start_s, quick, yardstick, lane_defaults)  # fmt: skip
     _print(result)
     path = harness.write_result("colocate", result, out_dir)
     harness.console.print(f"wrote {path}")
@@ -510,19 +607,35 @@ def run(
 
 
 def _result(legs, named, phase, step, calibration, floor_batch, capacity, machine, start_s,
-            quick, bound_fn, lane):  # type: ignore[no-untyped-def]  # fmt: skip
+            quick, yardstick, lane):  # type: ignore[no-untyped-def]  # fmt: skip
     tables = {k: summarize(v, named if k != "d" else [("batch alone", 0.0, phase)])
               for k, v in legs.items()}  # fmt: skip
     quiet_a = tables["a"][0]
     base_tpot, base_ttft = quiet_a["tpot"]["p95"], quiet_a["ttft"]["p95"]
+    shared, rt_prompt, reply, rates = yardstick
+    # The batch lines as they ran alone (d): uncached prompt and reply tokens per line.
+    ran = legs["d"].lines or legs["b"].lines
+    batch_prompt = statistics.mean(p for p, _ in ran) if ran else 0.0
+    batch_reply = max(1.0, statistics.mean(t for _, t in ran)) if ran else 1.0
+    # The lane's TPOT target, modelled: ratio × the mean step of real-time work alone in the
+    # quiet phase (what the lane measures as its baseline).
+    quiet_step = shared.mean_step(rates[0], rt_prompt, reply)
     targets = {
         "tpot_p95_s": lane.tpot_ratio * base_tpot if base_tpot else None,
         "ttft_p95_s": lane.ttft_ratio * base_ttft if base_ttft else None,
         "tpot_floor_step_model_s": lane.tpot_ratio * step.step_seconds(1),
+        "lane_tpot_mean_step_model_s": lane.tpot_ratio * quiet_step,
     }
+    model_check = [
+        {"phase": label, "rate_per_s": rate,
+         "mean_step_model_s": shared.mean_step(rate, rt_prompt, reply),
+         "tpot_p50_measured_s": tables["a"][i]["tpot"]["p50"]}
+        for i, ((label, _, _), rate) in enumerate(zip(named, rates, strict=True))
+    ]  # fmt: skip
     for i, row in enumerate(tables["c"]):
-        rt = tables["a"][i]["realtime_running_mean"]
-        row["bound_tokens_per_s"] = bound_fn(step, targets["tpot_floor_step_model_s"], rt)
+        lines, bound = shared.bound(targets["lane_tpot_mean_step_model_s"], rates[i], rt_prompt,
+                                    reply, batch_prompt, batch_reply)  # fmt: skip
+        row["bound_lines"], row["bound_tokens_per_s"] = lines, bound
         row["harvest"] = (row["batch_output_tokens_per_s"] / row["bound_tokens_per_s"]
                           if row["bound_tokens_per_s"] else None)  # fmt: skip
         row["inside_targets"] = bool(
@@ -556,6 +669,8 @@ def _result(legs, named, phase, step, calibration, floor_batch, capacity, machin
             "lane_defaults": lane.model_dump(),
         },  # fmt: skip
         "step_model": calibration,
+        "batch_line_tokens": {"uncached_prompt": batch_prompt, "reply": batch_reply},
+        "model_check": model_check,
         "floor_batch": floor_batch,
         "realtime_capacity_per_s": capacity,
         "targets": targets,

@@ -239,7 +239,8 @@ class LaneSettings(BaseModel):
     baseline_ttft_ms: float | None = Field(default=None, gt=0)
     #: Seconds the lane stays empty at start to measure the baselines (ends early once measured).
     learn_seconds: float = Field(default=20.0, ge=0)
-    #: Real-time requests waiting at the server tolerated (more: decrease).
+    #: Real-time requests waiting at the server tolerated (more at two readings in a row:
+    #: decrease; one reading may be a request between its arrival and the next step).
     max_waiting: float = Field(default=0.0, ge=0)
     #: AIMD: lines added per interval inside the targets, and the factor on a breach.
     additive_increase: int = Field(default=1, ge=1)

