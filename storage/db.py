@@ -2,6 +2,7 @@
 
 Sessions are opened by the caller (an HTTP dependency or a task) with ``session_scope``: it
 commits on success and rolls back on error; services and repositories only ``flush()``.
+``read`` runs a read-only function on a session of its own, for the API's status polls.
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @lru_cache(maxsize=8)
@@ -41,6 +45,32 @@ def get_sessionmaker(url: str) -> sessionmaker[Session]:
     return sessionmaker(get_engine(url), expire_on_commit=False)
 
 
+@lru_cache(maxsize=8)
+def get_read_engine(url: str) -> Engine:
+    """The process's pool for ``read``: autocommit, no pre-ping (PostgreSQL; SQLite shares
+    ``get_engine``'s, in autocommit).
+
+    Autocommit: no ``BEGIN``/``COMMIT`` round trips. Under PostgreSQL's READ COMMITTED (the
+    default, and ours) each statement of a transaction sees what was committed before that
+    statement began, which is what each autocommit statement sees: a read-only function reads
+    the same rows either way. No pre-ping: its ``SELECT 1`` was one more round trip per
+    request; ``read`` runs a function again when its connection turned out dead instead.
+    20 connections kept open and no overflow: an overflow connection is closed when it is
+    returned to a full pool, so under more concurrent polls than the pool holds every request
+    paid for a new connection (a server process forked and authenticated) where it should wait
+    for a free one. 20 a process keeps two API processes and the workers within PostgreSQL's
+    default ``max_connections`` (100).
+    """
+    if url.startswith("sqlite"):
+        return get_engine(url).execution_options(isolation_level="AUTOCOMMIT")
+    return create_engine(url, isolation_level="AUTOCOMMIT", pool_size=20, max_overflow=0)
+
+
+@lru_cache(maxsize=8)
+def get_read_sessionmaker(url: str) -> sessionmaker[Session]:
+    return sessionmaker(get_read_engine(url), expire_on_commit=False)
+
+
 @contextmanager
 def session_scope(url: str) -> Iterator[Session]:
     """A session that commits when the block succeeds and rolls back when it raises."""
@@ -53,6 +83,28 @@ def session_scope(url: str) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def read(url: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(session, *args, **kwargs)`` on a read-only autocommit session
+    (``get_read_sessionmaker``).
+
+    ``fn`` must only read: in autocommit a write would commit at once, statement by statement,
+    and no ``after_commit`` callback runs. Where the pool's connection was dead (the database
+    restarted since it was last used: what ``pool_pre_ping`` guards against elsewhere), the
+    pool is invalidated and ``fn`` runs once more on a new connection: it only read, so running
+    it again is safe. Raises what ``fn`` raises, and ``DBAPIError`` for anything else.
+    """
+    for attempt in (1, 2):
+        session = get_read_sessionmaker(url)()
+        try:
+            return fn(session, *args, **kwargs)
+        except DBAPIError as exc:
+            if attempt == 2 or not exc.connection_invalidated:
+                raise
+        finally:
+            session.close()
+    raise AssertionError("unreachable")
 
 
 def is_postgres(session: Session) -> bool:

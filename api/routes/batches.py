@@ -1,4 +1,8 @@
-"""``/v1/batches``."""
+"""``/v1/batches``.
+
+Retrieve and list are what users poll: ``async def`` routes whose reads run in one threadpool
+call (``ReadDep``). Create and cancel write, in the request's transaction (``SessionDep``).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from api.deps import CurrentTenant, SessionDep, SettingsDep
+from api.deps import CurrentTenant, ReadDep, SessionDep, SettingsDep
 from api.errors import error_responses
 from api.schemas import BatchList, BatchObject, CreateBatch
 from api.services import batches as batches_service
@@ -34,17 +38,16 @@ def create_batch(
 
 
 @router.get("", response_model=BatchList, responses=error_responses(400, 401))
-def list_batches(
-    session: SessionDep,
+async def list_batches(
+    db: ReadDep,
     settings: SettingsDep,
     tenant: CurrentTenant,
     after: str | None = None,
     # Documented, not enforced here: the service refuses other values with its own message.
     limit: Annotated[int, Query(json_schema_extra={"minimum": 1, "maximum": 100})] = 20,
 ) -> BatchList:
-    rows, has_more = batches_service.page(session, tenant.id, after=after, limit=limit)
-    bills = usage_service.bills(session, settings, rows)
-    data = [BatchObject.of(b, bills[b.id]) for b in rows]
+    rows, has_more = await db(batches_service.page, settings, tenant.id, after=after, limit=limit)
+    data = [BatchObject.of(batch, bill) for batch, bill in rows]
     return BatchList(
         data=data,
         first_id=data[0].id if data else None,
@@ -54,11 +57,11 @@ def list_batches(
 
 
 @router.get("/{batch_id}", response_model=BatchObject, responses=error_responses(400, 401, 404))
-def retrieve_batch(
-    session: SessionDep, settings: SettingsDep, tenant: CurrentTenant, batch_id: str
+async def retrieve_batch(
+    db: ReadDep, settings: SettingsDep, tenant: CurrentTenant, batch_id: str
 ) -> BatchObject:
-    batch = batches_service.get(session, tenant.id, batch_id)
-    return BatchObject.of(batch, usage_service.bill_of(session, settings, batch))
+    batch, bill = await db(batches_service.get_with_bill, settings, tenant.id, batch_id)
+    return BatchObject.of(batch, bill)
 
 
 @router.post(

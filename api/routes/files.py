@@ -1,4 +1,8 @@
-"""``/v1/files``."""
+"""``/v1/files``.
+
+Retrieve and content (the output a poll ends with) are ``async def`` routes whose reads run in
+one threadpool call (``ReadDep``); the rest use the request's transaction (``SessionDep``).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Query, Response, UploadFile
 from fastapi.responses import StreamingResponse
 
-from api.deps import BlobsDep, CurrentTenant, SessionDep, SettingsDep
+from api.deps import BlobsDep, CurrentTenant, ReadDep, SessionDep, SettingsDep
 from api.errors import BadRequest, error_responses
 from api.schemas import FileDeleted, FileList, FileObject
 from api.services import files as files_service
@@ -79,8 +83,8 @@ def list_files(
 
 
 @router.get("/{file_id}", response_model=FileObject, responses=error_responses(400, 401, 404))
-def retrieve_file(session: SessionDep, tenant: CurrentTenant, file_id: str) -> FileObject:
-    return FileObject.of(files_service.get(session, tenant.id, file_id))
+async def retrieve_file(db: ReadDep, tenant: CurrentTenant, file_id: str) -> FileObject:
+    return FileObject.of(await db(files_service.get, tenant.id, file_id))
 
 
 @router.get(
@@ -96,10 +100,12 @@ def retrieve_file(session: SessionDep, tenant: CurrentTenant, file_id: str) -> F
         **error_responses(400, 401, 404),
     },
 )
-def file_content(
-    session: SessionDep, blobs: BlobsDep, tenant: CurrentTenant, file_id: str
+async def file_content(
+    db: ReadDep, blobs: BlobsDep, tenant: CurrentTenant, file_id: str
 ) -> StreamingResponse:
-    chunks = files_service.content(session, blobs, tenant.id, file_id)
+    # The chunks are read on the threadpool as they are sent (Starlette iterates a plain
+    # iterator there), after the row's read has returned its connection to the pool.
+    chunks = await db(files_service.content, blobs, tenant.id, file_id)
     return StreamingResponse(chunks, media_type="application/octet-stream")
 
 

@@ -11,9 +11,11 @@ from sqlalchemy.orm import Session
 from api.errors import BadRequest, Conflict, NotFound, unknown_cursor
 from api.schemas import CreateBatch
 from api.services import files as files_service
+from api.services import usage as usage_service
 from offpeak import endpoints
 from offpeak.endpoints import anthropic_messages
 from offpeak.ids import new_id, now
+from offpeak.pricing import Bill
 from offpeak.settings import Settings, window_seconds
 from offpeak.statuses import BatchStatus
 from storage import task_messages
@@ -134,31 +136,51 @@ def create(session: Session, settings: Settings, tenant_id: str, request: Create
     return batch
 
 
+def _not_found(batch_id: str) -> NotFound:
+    # OpenAI's recorded wording, which clients and peer test suites match on.
+    return NotFound(f"No batch found with id '{batch_id}'.", param="batch_id")
+
+
 def get(session: Session, tenant_id: str, batch_id: str) -> Batch:
     """Raises ``NotFound`` for an unknown or another tenant's batch."""
     batch = batches_repo.get(session, tenant_id, batch_id)
     # A Message Batch (Anthropic's surface, ``api.services.message_batches``) is not one here.
     if batch is None or batch.endpoint == anthropic_messages.URL:
-        # OpenAI's recorded wording, which clients and peer test suites match on.
-        raise NotFound(f"No batch found with id '{batch_id}'.", param="batch_id")
+        raise _not_found(batch_id)
     return batch
 
 
+def get_with_bill(
+    session: Session, settings: Settings, tenant_id: str, batch_id: str
+) -> tuple[Batch, Bill]:
+    """``get`` and the batch's bill (``usage.bills_with``): one statement once it is billed,
+    two before (the engine time attributed so far). Read-only: a status poll.
+
+    Raises ``NotFound`` for an unknown or another tenant's batch."""
+    found = batches_repo.get_with_entry(session, tenant_id, batch_id)
+    if found is None or found[0].endpoint == anthropic_messages.URL:
+        raise _not_found(batch_id)
+    return found[0], usage_service.bills_with(session, settings, [found])[batch_id]
+
+
 def page(
-    session: Session, tenant_id: str, *, after: str | None, limit: int
-) -> tuple[list[Batch], bool]:
-    """A page of batches, newest first, and whether more follow. Raises ``BadRequest`` for a
-    bad ``limit`` and an ``after`` that names none of the tenant's batches (``unknown_cursor``)."""
+    session: Session, settings: Settings, tenant_id: str, *, after: str | None, limit: int
+) -> tuple[list[tuple[Batch, Bill]], bool]:
+    """A page of batches with their bills, newest first, and whether more follow; one
+    statement when they are all billed (and ``after`` is not given). Read-only.
+
+    Raises ``BadRequest`` for a bad ``limit`` and an ``after`` that names none of the tenant's
+    batches (``unknown_cursor``)."""
     if not 1 <= limit <= 100:
         raise BadRequest("limit must be between 1 and 100.", param="limit")
     if after and batches_repo.get(session, tenant_id, after) is None:
         raise unknown_cursor("batch", after)
-    rows = list(
-        batches_repo.page(
-            session, tenant_id, after=after, limit=limit, exclude_endpoint=anthropic_messages.URL
-        )
+    rows = batches_repo.page_with_entries(
+        session, tenant_id, after=after, limit=limit, exclude_endpoint=anthropic_messages.URL
     )
-    return rows[:limit], len(rows) > limit
+    shown = rows[:limit]
+    bills = usage_service.bills_with(session, settings, shown)
+    return [(batch, bills[batch.id]) for batch, _ in shown], len(rows) > limit
 
 
 def cancel(session: Session, settings: Settings, tenant_id: str, batch_id: str) -> Batch:

@@ -13,7 +13,6 @@ from sqlalchemy.orm import Session
 from api.schemas import BatchObject
 from api.services import batches as batches_service
 from api.services import health as health_service
-from api.services import usage as usage_service
 from offpeak import pricing, scheduler_state
 from offpeak.settings import Settings
 from offpeak.statuses import LineStatus
@@ -100,8 +99,7 @@ def data(
 ) -> dict[str, Any]:
     """Everything the page shows, as JSON-ready values (amounts in US dollars)."""
     at = time.time()
-    batches, _ = batches_service.page(session, tenant_id, after=None, limit=limit)
-    bills = usage_service.bills(session, settings, batches)
+    batches, _ = batches_service.page(session, settings, tenant_id, after=None, limit=limit)
     state = fleet_stats.scheduler_state(session)
     load_now = dict(sorted(scheduler_state.loads(state).items()))
     return {
@@ -109,7 +107,7 @@ def data(
         "window_seconds": settings.metrics_window_seconds,
         "paused": sorted(pool for pool, on in scheduler_state.pauses(state).items() if on),
         "load": load_now,
-        "batches": [_with_display(BatchObject.of(b, bills[b.id]).model_dump()) for b in batches],
+        "batches": [_with_display(BatchObject.of(b, bill).model_dump()) for b, bill in batches],
         "models": _models(session, settings, at),
         # Models no live engine worker serves, a missing control worker: why work may not move.
         "alerts": health_service.alerts(session, settings, at),

@@ -29,10 +29,10 @@ KEY_CACHE_SIZE = 10_000
 
 
 class _KeyCache:
-    """key hash → (tenant id, name, created_at, when looked up; ``time.monotonic``), LRU."""
+    """key hash → (a transient copy of its tenant, when looked up; ``time.monotonic``), LRU."""
 
     def __init__(self) -> None:
-        self._entries: OrderedDict[str, tuple[str, str, int, float]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[Tenant, float]] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, key_hash: str) -> Tenant | None:
@@ -40,16 +40,19 @@ class _KeyCache:
             entry = self._entries.get(key_hash)
             if entry is None:
                 return None
-            if time.monotonic() - entry[3] > KEY_CACHE_SECONDS:
+            if time.monotonic() - entry[1] > KEY_CACHE_SECONDS:
                 del self._entries[key_hash]
                 return None
             self._entries.move_to_end(key_hash)
-        # A transient copy (never added to a session): callers read its columns only.
-        return Tenant(id=entry[0], name=entry[1], created_at=entry[2])
+        # Shared by the requests of the next KEY_CACHE_SECONDS (building an ORM object per
+        # request cost a poll more than the lookup in this dict): callers read its columns only.
+        return entry[0]
 
     def put(self, key_hash: str, tenant: Tenant) -> None:
+        # A transient copy, in no session, so no session's expiry or refresh can change it.
+        copy = Tenant(id=tenant.id, name=tenant.name, created_at=tenant.created_at)
         with self._lock:
-            self._entries[key_hash] = (tenant.id, tenant.name, tenant.created_at, time.monotonic())
+            self._entries[key_hash] = (copy, time.monotonic())
             self._entries.move_to_end(key_hash)
             while len(self._entries) > KEY_CACHE_SIZE:
                 self._entries.popitem(last=False)
@@ -88,14 +91,21 @@ def ensure_key(session: Session, tenant_name: str, key: str) -> None:
     tenants_repo.add_key(session, tenant.id, hash_key(key), key[:15], "local")
 
 
+def cached_tenant(key: str) -> Tenant | None:
+    """The tenant of ``key`` if this process looked it up in the last ``KEY_CACHE_SECONDS``
+    (a transient ``Tenant``), else ``None`` (ask ``tenant_for_key``). No I/O: the API checks
+    it on the event loop before crossing to the threadpool for a lookup."""
+    return _cache.get(hash_key(key))
+
+
 def tenant_for_key(session: Session, key: str) -> Tenant | None:
     """The tenant of an unrevoked ``key``, or ``None``; from this process's cache when it was
     looked up in the last ``KEY_CACHE_SECONDS`` (then a transient ``Tenant``: read its
     columns, do not add it to a session)."""
-    key_hash = hash_key(key)
-    cached = _cache.get(key_hash)
+    cached = cached_tenant(key)
     if cached is not None:
         return cached
+    key_hash = hash_key(key)
     tenant = tenants_repo.tenant_for_key_hash(session, key_hash)
     if tenant is not None:
         _cache.put(key_hash, tenant)

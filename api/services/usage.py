@@ -41,11 +41,18 @@ def bills(session: Session, settings: Settings, batches: Sequence[Batch]) -> dic
     billed batches, a live estimate at today's prices for the rest (running, or ended and not
     billed yet)."""
     entries = ledger_repo.entries_for(session, [b.id for b in batches])
-    live = [b.id for b in batches if b.id not in entries]
+    return bills_with(session, settings, [(b, entries.get(b.id)) for b in batches])
+
+
+def bills_with(
+    session: Session, settings: Settings, rows: Sequence[tuple[Batch, LedgerEntry | None]]
+) -> dict[str, Bill]:
+    """``bills`` for batches read with their ledger entries (``ledger.with_entries``): no query
+    when every one is billed, one (the engine time attributed so far) for the others."""
+    live = [b.id for b, entry in rows if entry is None]
     seconds = ledger_repo.attributed_seconds(session, live, pricing.token_weights(settings))
     out: dict[str, Bill] = {}
-    for batch in batches:
-        entry = entries.get(batch.id)
+    for batch, entry in rows:
         out[batch.id] = (
             _from_entry(entry)
             if entry is not None

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from sqlalchemy import bindparam, event, func, select, update
+from sqlalchemy import Select, bindparam, event, func, select, update
 from sqlalchemy.orm import Session, SessionTransaction
 
 from offpeak.statuses import BatchStatus, LineStatus
-from storage.models import Batch, RequestLine
+from storage.models import Batch, LedgerEntry, RequestLine
+from storage.repositories import ledger as ledger_repo
 
 
 def add(session: Session, batch: Batch) -> Batch:
@@ -18,8 +19,28 @@ def add(session: Session, batch: Batch) -> Batch:
     return batch
 
 
+def _of_tenant(tenant_id: str, batch_id: str) -> Select[Batch]:
+    return select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id)
+
+
 def get(session: Session, tenant_id: str, batch_id: str) -> Batch | None:
-    return session.scalar(select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id))
+    return session.scalar(_of_tenant(tenant_id, batch_id))
+
+
+#: Built once (a status poll runs it): building a statement and its cache key each time cost
+#: more than executing it.
+_WITH_ENTRY = ledger_repo.with_entries(
+    _of_tenant(bindparam("tenant_id"), bindparam("batch_id"))  # type: ignore[arg-type]
+)
+
+
+def get_with_entry(
+    session: Session, tenant_id: str, batch_id: str
+) -> tuple[Batch, LedgerEntry | None] | None:
+    """The batch and its bill's ledger entry (``None`` until billed), in one statement; ``None``
+    for an unknown or another tenant's batch."""
+    row = session.execute(_WITH_ENTRY, {"tenant_id": tenant_id, "batch_id": batch_id}).first()
+    return None if row is None else (row[0], row[1])
 
 
 def get_for_update(
@@ -85,22 +106,30 @@ def get_any(session: Session, batch_id: str) -> Batch | None:
     return session.get(Batch, batch_id)
 
 
-def page(
+def _page(
+    tenant_id: str, after: str | None, limit: int, exclude_endpoint: str | None
+) -> Select[Batch]:
+    query = select(Batch).where(Batch.tenant_id == tenant_id)
+    if exclude_endpoint is not None:
+        query = query.where(Batch.endpoint != exclude_endpoint)
+    if after:
+        query = query.where(Batch.id < after)
+    return query.order_by(Batch.id.desc()).limit(limit + 1)
+
+
+def page_with_entries(
     session: Session,
     tenant_id: str,
     *,
     after: str | None,
     limit: int,
     exclude_endpoint: str | None = None,
-) -> Sequence[Batch]:
-    """Up to ``limit + 1`` batches, newest first, older than the cursor ``after``; without
-    those of ``exclude_endpoint`` (another API surface's batches)."""
-    query = select(Batch).where(Batch.tenant_id == tenant_id)
-    if exclude_endpoint is not None:
-        query = query.where(Batch.endpoint != exclude_endpoint)
-    if after:
-        query = query.where(Batch.id < after)
-    return session.scalars(query.order_by(Batch.id.desc()).limit(limit + 1)).all()
+) -> list[tuple[Batch, LedgerEntry | None]]:
+    """Up to ``limit + 1`` batches, newest first, older than the cursor ``after``, without those
+    of ``exclude_endpoint`` (another API surface's batches); each with its bill's ledger entry
+    (``None`` until billed), in one statement."""
+    query = ledger_repo.with_entries(_page(tenant_id, after, limit, exclude_endpoint))
+    return [(batch, entry) for batch, entry in session.execute(query)]
 
 
 def statuses(session: Session, batch_ids: Iterable[str]) -> dict[str, tuple[str, int]]:

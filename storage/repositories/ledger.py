@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, Float, case, cast, exists, func, literal, select
+from sqlalchemy import ColumnElement, Float, Select, case, cast, exists, func, literal, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -106,6 +106,14 @@ def insert_once(session: Session, values: dict[str, Any]) -> bool:
         .returning(LedgerEntry.id)
     )
     return session.execute(statement).first() is not None
+
+
+def with_entries(query: Select[Batch]) -> Select[Batch, LedgerEntry]:
+    """``query`` (a select of ``Batch``) with each batch's bill alongside, ``None`` until it is
+    billed: one statement where a batch and then its entry were two round trips. The join is on
+    the ledger's unique ``key`` (``batch_key`` in SQL: ``'batch:' || batches.id``)."""
+    key = literal("batch:") + Batch.id
+    return query.add_columns(LedgerEntry).outerjoin(LedgerEntry, LedgerEntry.key == key)
 
 
 def entries_for(session: Session, batch_ids: Iterable[str]) -> dict[str, LedgerEntry]:
