@@ -425,6 +425,10 @@ class Settings(BaseSettings):
     #: Uvicorn worker processes of ``offpeak serve`` / ``offpeak up`` (``--workers`` overrides):
     #: status polls are CPU-bound Python, one process serves one core (docs/benchmarks.md).
     api_workers: int = Field(default=1, ge=1)
+    #: Uvicorn's access log (a line per request) in the API's log. Off: at poll rates (hundreds
+    #: of requests a second) formatting and writing those lines took 7-9% of an API process's
+    #: CPU (docs/benchmarks.md, "Status polls"); errors are logged either way.
+    api_access_log: bool = False
 
     # Accounting (``workers.accounting``): prices, and how engine time is split among batches.
     #: Real-time list prices and GPU costs per served model; a model absent here lists at 0.

@@ -72,6 +72,7 @@ def serve(
         port=port or settings.api_port,
         workers=workers or settings.api_workers,
         log_level="info",
+        access_log=settings.api_access_log,
     )
 
 
