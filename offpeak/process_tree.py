@@ -86,16 +86,31 @@ def spawned_children_die_with_this_process() -> None:
     spawn.get_command_line = get_command_line
 
 
+def _resource_tracker_pid() -> int | None:
+    """The pid of this process's ``multiprocessing`` resource tracker, if it started one (vLLM's
+    spawn children do)."""
+    from multiprocessing import resource_tracker
+
+    return getattr(resource_tracker._resource_tracker, "_pid", None)
+
+
 def kill_children(timeout: float = 5.0, pid: int | None = None) -> None:
     """End every descendant of process ``pid`` (default: this one): SIGTERM, then SIGKILL to
     those still alive after ``timeout`` seconds (``timeout`` 0: SIGKILL at once). Never raises
-    for a process that is already gone."""
+    for a process that is already gone. This process's ``multiprocessing`` resource tracker is
+    left to end by itself, which it does as soon as this process exits."""
     import psutil
 
     try:
         children = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return
+    if pid is None:
+        # multiprocessing's resource tracker ignores SIGTERM by design and ends by itself once
+        # this process has (its pipe closes), after unlinking what leaked: waiting ``timeout``
+        # for it to obey SIGTERM added 5 s to every engine worker's stop.
+        tracker = _resource_tracker_pid()
+        children = [child for child in children if child.pid != tracker]
     if timeout > 0:
         for child in children:
             with contextlib.suppress(psutil.NoSuchProcess):

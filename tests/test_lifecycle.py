@@ -264,6 +264,34 @@ def test_spawned_child_dies_with_its_parent_killed(armed: bool) -> None:
             child.kill()
 
 
+_TRACKER = """
+import multiprocessing, os, time
+from multiprocessing import resource_tracker
+from offpeak.process_tree import kill_children
+if __name__ == "__main__":
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,))
+    child.start()
+    tracker = resource_tracker._resource_tracker._pid
+    kill_children(timeout=20)
+    os.kill(tracker, 0)  # still running: ProcessLookupError otherwise
+    print(child.pid, tracker, flush=True)
+"""
+
+
+def test_kill_children_leaves_the_resource_tracker_to_end_with_the_process() -> None:
+    """``kill_children`` ends a spawn child but not multiprocessing's resource tracker, which
+    ignores SIGTERM (waiting for it cost every engine worker's stop the whole timeout, then a
+    SIGKILL); the tracker ends by itself when its process exits."""
+    done = subprocess.run(
+        [sys.executable, "-c", _TRACKER], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    child, tracker = (int(word) for word in done.stdout.split())
+    assert not psutil.pid_exists(child)
+    with contextlib.suppress(psutil.NoSuchProcess):
+        assert wait_gone([psutil.Process(tracker)]) == [], "the tracker outlived its process"
+
+
 # -- engine workers on the real model ----------------------------------------------------------
 
 LEASE_SECONDS = 6
@@ -286,6 +314,9 @@ def engine_env(
             "OFFPEAK_QUEUE_PREFIX": f"{run_id}-lifecycle",
             "OFFPEAK_DATA_DIR": str(tmp_path_factory.mktemp("lifecycle-data")),
             "OFFPEAK_LEASE_SECONDS": str(LEASE_SECONDS),
+            # The chat model only: the batch is chat, and each of the module's five engine
+            # workers would otherwise load the embedding model's engine too before taking work.
+            "OFFPEAK_WORKER_MODELS": MODEL,
         }
 
 
