@@ -103,12 +103,19 @@ def polls(
     seconds: Annotated[float, typer.Option(help="Seconds of polling per run.")] = 60.0,
     batches: Annotated[int, typer.Option(help="Finished batches to poll.")] = 20,
     lines: Annotated[int, typer.Option(help="Lines per batch (the download's size).")] = 200,
+    floor_seconds: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds of each floor run (bare app, bare SQL; default min(seconds, 20))."
+        ),
+    ] = None,
     out: OutDir = None,
 ) -> None:
-    """Status polls with workers idle: retrieve / list / download latencies and rates."""
+    """Status polls with workers idle: retrieve / list / download latencies and rates, and the
+    floor in the same run (a bare FastAPI app, the retrieve's SQL bare)."""
     from bench import polls as module
 
-    module.run(tuple(api_workers or (1, 2)), clients, seconds, batches, lines, out)
+    module.run(tuple(api_workers or (1, 2)), clients, seconds, batches, lines, out, floor_seconds)
 
 
 @bench_app.command("memory")
