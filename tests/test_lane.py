@@ -183,6 +183,47 @@ def test_increase_needs_the_lane_to_use_its_limit_and_stops_at_free_slots() -> N
     assert controller.limit == 8  # never more than the free slots: no queueing there
 
 
+class RequestTpotServer(FakeServer):
+    """A ``FakeServer`` that also exposes finished requests' own TPOT: four requests an interval
+    at ``request_tpot`` seconds (set from outside), whatever the mean step says."""
+
+    def __init__(self) -> None:
+        super().__init__(per_seq=0.0)  # the mean step never moves: only the requests' does
+        self.request_tpot = 0.012
+        self.requests = [0.0] * len(BOUNDS)
+
+    def advance(self, seconds: float, in_flight: int) -> ServerSnapshot:
+        snap = super().advance(seconds, in_flight)
+        i = next(i for i, b in enumerate(BOUNDS) if self.request_tpot <= b)
+        self.requests[i] += 4
+        counts = tuple(sum(self.requests[: k + 1]) for k in range(len(BOUNDS)))
+        return ServerSnapshot(snap.at, snap.tpot, snap.ttft, snap.running, snap.waiting,
+                              Histogram(BOUNDS, counts))  # fmt: skip
+
+
+def test_requests_own_tpot_p95_is_held_too() -> None:
+    server = RequestTpotServer()
+    controller = LaneController(lane(learn_seconds=4.0), max_num_seqs=64)
+    drive(controller, server, 12)
+    assert controller.baseline_request_tpot() is not None
+    assert controller.request_tpot_target() == pytest.approx(
+        2.4 * controller.baseline_request_tpot()
+    )
+    grown = controller.limit
+    assert grown > 1  # inside every target: the lane grew
+    server.request_tpot = 0.07  # the users' own TPOT p95 passes 2.4x its baseline
+    actions = drive(controller, server, 3)
+    assert "decrease" in actions and controller.limit < grown
+    decision = controller.update(server.at + 1, server.advance(1, controller.limit),
+                                 controller.limit, urgent=False)  # fmt: skip
+    assert decision.request_tpot_p95 is not None and decision.request_tpot_p95 > 0.04
+    off = LaneController(lane(learn_seconds=4.0, request_tpot=False), max_num_seqs=64)
+    server = RequestTpotServer()
+    drive(off, server, 12)
+    server.request_tpot = 0.07
+    assert "decrease" not in drive(off, server, 3)  # the switch turns the signal off
+
+
 def test_urgent_minimum_and_unreadable_server() -> None:
     server = FakeServer(per_seq=0.05)  # every batch line breaches
     settings = lane(tpot_p95_ms=20.0, learn_seconds=0.0, urgent_min=2, stale_seconds=3.0)

