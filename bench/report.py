@@ -147,6 +147,22 @@ def _ms(x: float | None) -> str:
     return "n/a" if x is None else f"{1000 * x:,.0f}"
 
 
+def _prefill(result: dict[str, Any]) -> str:
+    """The prefill term and the batch lines' tokens, for results that measured them."""
+    prefill = result["step_model"].get("prefill")
+    if not prefill:
+        return ""
+    lines = result.get("batch_line_tokens") or {}
+    text = f", {1000 * prefill['prefill_s_per_token']:.2f} ms per prompt token of prefill"
+    if lines:
+        text += (
+            f" (real-time prompts {result['step_model']['realtime_prompt_tokens']} tokens; batch "
+            f"lines {lines['uncached_prompt']:.0f} uncached prompt and {lines['reply']:.0f} reply "
+            "tokens on average)"
+        )
+    return text
+
+
 def colocate_markdown(result: dict[str, Any]) -> str:
     """``bench colocate``'s legs and phases as one table, with its targets and verdicts."""
     names = {"a": "(a) real-time alone", "b": "(b) + batch, lane off",
@@ -182,10 +198,10 @@ def colocate_markdown(result: dict[str, Any]) -> str:
             ],
             rows,
         )  # fmt: skip
-        + f"\n\nStep model measured on the server: {step['base_ms']:.1f} ms + "
-        f"{step['per_seq_ms']:.2f} ms per sequence; TPOT floor (2.4 × one sequence) "
-        f"{_ms(t['tpot_floor_step_model_s'])} ms → {result['floor_batch']} sequences; real-time "
-        f"capacity {result['realtime_capacity_per_s']:.2f} requests/s. Targets: TTFT p95 ≤ "
+        + f"\n\nStep model measured on the server: a decode step of {step['base_ms']:.1f} ms + "
+        f"{step['per_seq_ms']:.2f} ms per sequence{_prefill(result)}; TPOT floor (2.4 × one "
+        f"sequence) {_ms(t['tpot_floor_step_model_s'])} ms; real-time capacity "
+        f"{result['realtime_capacity_per_s']:.2f} requests/s. Targets: TTFT p95 ≤ "
         f"{_ms(t['ttft_p95_s'])} ms, TPOT p95 ≤ {_ms(t['tpot_p95_s'])} ms (2.4 × leg (a)'s quiet "
         f"p95). (c) inside in every phase: {result['met']['c_inside_targets_every_phase']}; "
         f"harvest (c) / bound: {'n/a' if harvest is None else f'{100 * harvest:.0f}%'} "
