@@ -13,8 +13,13 @@ from typing import Any
 import pytest
 from sqlalchemy.exc import IntegrityError, OperationalError
 
+from offpeak.endpoints import records
 from offpeak.settings import Settings
-from storage.repositories.requests import FinishedLine, TokenCounts
+from storage.repositories.requests import ClaimedRequest, FinishedLine, TokenCounts
+from workers import serving
+from workers.engine.base import Completion, EngineResult
+from workers.engine.instant import InstantEngine
+from workers.runner import results
 from workers.runner.writeback import RENEW_FRACTION, ResultWriter
 from workers.scheduler.store import WriteBack, WriteBackReport
 
@@ -120,3 +125,43 @@ def test_leases_renewed_by_a_write_back_only_when_due() -> None:
         assert report is not None
         due.append((store.writes[-1].held_ids, report.renewed))
     assert due == [([7], True), ([], False), ([], False), ([7], True), ([], False)]
+
+
+def test_answered_lines_get_their_records_built_by_the_background_write() -> None:
+    """An answered line is held unbuilt (``results.Answered``); the periodic write builds its
+    record on the writer's thread, with the token counts the runner counted from the start."""
+    engine = InstantEngine("m")
+    row = ClaimedRequest(4, "batch_x", "r4", "{}", 1)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    prepared = serving.prepare("4", "/v1/chat/completions", body, engine)
+    result = EngineResult(
+        "4", 9, 2, [Completion("ab", [1, 2], "stop"), Completion("c", [3], "stop")]
+    )
+    built_on: list[str] = []
+    line = results.answered(row, prepared, result, 1_700_000_000, 5.0)
+    assert line.tokens == TokenCounts(9, 2, 3) and line.status == "succeeded"
+
+    class Watched(results.Answered):
+        def line(self) -> FinishedLine:
+            built_on.append(threading.current_thread().name)
+            return super().line()
+
+    watched = Watched(*(getattr(line, f) for f in line.__dataclass_fields__))
+    store = GatedStore()
+    writer = _writer(store)
+    _renewing_write(writer, store, 10.0)
+    writer.add(watched)
+    writer.busy_seconds = 1.0
+    writer.write(11.0, [], {"batch_x"}, background=True)
+    store.gate.set()
+    assert writer.write(12.0, [], {"batch_x"}) is not None  # waits for the background one
+    assert built_on and all(name.startswith("write-back") for name in built_on)
+    write = next(w for w in store.writes if w.results)
+    (stored,) = write.results
+    assert isinstance(stored, FinishedLine) and stored.tokens == line.tokens
+    expected = results.succeeded(row, prepared, result, 1_700_000_000, 5.0)
+    same = ("id", "batch_id", "status", "finished_at", "status_code", "tokens")
+    assert [getattr(stored, f) for f in same] == [getattr(expected, f) for f in same]
+    answer = records.load(stored.result or "")
+    assert isinstance(answer, records.Answer) and answer.completion_tokens == 3
+    assert write.per_batch["batch_x"].completion_tokens == 3 and writer.pending == []

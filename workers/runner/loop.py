@@ -39,13 +39,13 @@ from offpeak.ids import now as unix_now
 from offpeak.settings import Settings
 from offpeak.statuses import BatchStatus, LineStatus
 from storage.errors import TRANSIENT_DB_ERRORS
-from storage.repositories.requests import ClaimedRequest, FinishedLine
+from storage.repositories.requests import ClaimedRequest
 from workers import lifecycle, worker_metrics
 from workers.engine.base import Engine, EngineFault
 from workers.engine.release import startup_seconds
 from workers.planner import StepModel
 from workers.runner import results
-from workers.runner.admission import prepare_chunk
+from workers.runner.admission import PreparedChunk, prepare_chunk
 from workers.runner.claim_ahead import ClaimAhead
 from workers.runner.held import HeldLine, HeldLines
 from workers.runner.writeback import ResultWriter
@@ -103,11 +103,21 @@ class DrainStats:
         """``cached_tokens / prompt_tokens`` of the requests that finished."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
-    def count(self, line: FinishedLine) -> None:
+    def count(self, line: results.Finished) -> None:
         self.requests += 1
         self.prompt_tokens += line.tokens.prompt
         self.cached_tokens += line.tokens.cached
         self.completion_tokens += line.tokens.completion
+
+
+@dataclass
+class Claimed:
+    """A claim's rows and the chunk prepared from them (``workers.runner.admission``), or the
+    ``fault`` that stopped preparing them (the engine could not tokenize: no line's fault)."""
+
+    rows: list[ClaimedRequest]
+    chunk: PreparedChunk | None = None
+    fault: EngineFault | None = None
 
 
 class Runner:
@@ -201,7 +211,7 @@ class Runner:
         )
         #: Claims on a thread while the engine steps; off in the simulation (virtual clock) and
         #: with the batch lane, which sends lines to a shared server to an exact limit.
-        self.claim_ahead = (
+        self.claim_ahead: ClaimAhead[Claimed] | None = (
             ClaimAhead() if isinstance(self.clock, WallClock) and self.lane is None else None
         )
 
@@ -352,7 +362,8 @@ class Runner:
                 refused = result.refused
                 self._refused(held, LineError(str(refused), refused.param, refused.code))
                 continue
-            line = results.succeeded(held.row, held.prepared, result, created, self.clock.time())
+            # Its record is built when it is written back (off this thread, see ``writeback``).
+            line = results.answered(held.row, held.prepared, result, created, self.clock.time())
             self.writer.add(line)
             self._stats.count(line)
             self.lifetime.count(line)
@@ -522,12 +533,16 @@ class Runner:
                 self.settings.chunk_size,
                 self.policy.min_claim,
             )
+            if limit and not self.held and self.claim_ahead is not None:
+                # Nothing held: the engine waits for this claim. Just its slots' worth, so it
+                # starts at once; the rest comes in the next claim, made while it steps.
+                limit = min(limit, self.slots)
             if limit and (done := self._claim_or_ahead(at, limit)) is not None:
                 claimed, limit = done
-                if len(claimed) < limit:
+                if len(claimed.rows) < limit:
                     # The model has no more runnable lines right now: look again later.
                     self._next_claim_at = at + self.settings.flush_seconds
-                if claimed:
+                if claimed.rows:
                     self._accept(claimed)
         # A step's finished lines get replaced; the lane's limit is exact (lines in flight at a
         # shared server, not an engine's queue).
@@ -539,25 +554,48 @@ class Runner:
     def _refused(self, held: HeldLine, error: LineError) -> None:
         self.writer.add(results.failed(held.row, error, self.clock.time()))
 
-    def _claim_or_ahead(self, at: float, limit: int) -> tuple[list[ClaimedRequest], int] | None:
-        """``(claimed, asked)``: a claim of ``limit`` lines. On the wall clock while sequences
-        run, it is made on the claim thread (``workers.runner.claim_ahead``) and this returns
-        ``None`` until it is done (then its lines and the limit it asked for)."""
+    def _claim_or_ahead(self, at: float, limit: int) -> tuple[Claimed, int] | None:
+        """``(claimed, asked)``: a claim of ``limit`` lines, prepared. On the wall clock while
+        sequences run, it is made and prepared on the claim thread
+        (``workers.runner.claim_ahead``) and this returns ``None`` until it is done (then its
+        lines and the limit it asked for)."""
         ahead = self.claim_ahead
+        urgent = set(self._urgent)
         if ahead is None:
-            return self._claim(at, limit), limit
+            return self._claim_and_prepare(at, limit, urgent), limit
         done = ahead.take(wait=not self.held.running)
         if done is not None or not self.held.running:
-            return done or (self._claim(at, limit), limit)
+            return done or (self._claim_and_prepare(at, limit, urgent), limit)
         if not ahead.busy:
-            ahead.start(lambda: self._claim(at, limit), limit)
+            ahead.start(lambda: self._claim_and_prepare(at, limit, urgent), limit)
         return None
 
     def _settle_claim(self) -> None:
         """Wait for a claim in flight and queue its lines (before they are handed back)."""
         done = self.claim_ahead.take(wait=True) if self.claim_ahead else None
-        if done is not None and done[0]:
+        if done is not None and done[0].rows:
             self._accept(done[0])
+
+    def _claim_and_prepare(self, at: float, limit: int, urgent: set[str]) -> Claimed:
+        """Claim up to ``limit`` lines and prepare them (on the claim thread when it claims).
+        Lines already held here are left out of the chunk (``prepare_chunk``): only lines can
+        have left the held set by the time the chunk is accepted, as chunks are accepted one
+        at a time on the loop thread."""
+        rows = self._claim(at, limit)
+        if not rows:
+            return Claimed(rows)
+        try:
+            chunk = prepare_chunk(
+                rows,
+                self.engine,
+                held=set(self.held.row_ids()),
+                urgent=urgent,
+                max_attempts=self.settings.max_line_attempts,
+                at=self.clock.time(),
+            )
+        except EngineFault as exc:  # _accept hands the rows back, then raises it
+            return Claimed(rows, fault=exc)
+        return Claimed(rows, chunk)
 
     def _claim(self, at: float, limit: int) -> list[ClaimedRequest]:
         only = None if self.gate.open else set(self._urgent)
@@ -570,24 +608,18 @@ class Runner:
             self._next_claim_at = at + self.settings.flush_seconds
             return []
 
-    def _accept(self, claimed: list[ClaimedRequest]) -> None:
-        """Prepare a claimed chunk, queue it, and size the engine's slots for what is now held;
-        the decision goes to the log."""
+    def _accept(self, claimed: Claimed) -> None:
+        """Queue a claimed and prepared chunk, and size the engine's slots for what is now
+        held; the decision goes to the log."""
+        rows = claimed.rows
         self._stats.chunks += 1
-        self._stats.touched.update(row.batch_id for row in claimed)
-        try:
-            chunk = prepare_chunk(
-                claimed,
-                self.engine,
-                held=set(self.held.row_ids()),
-                urgent=self._urgent,
-                max_attempts=self.settings.max_line_attempts,
-                at=self.clock.time(),
-            )
-        except EngineFault:
+        self._stats.touched.update(row.batch_id for row in rows)
+        if claimed.fault is not None:
             # The engine could not tokenize (a remote server's /tokenize is away): unrun lines.
-            self.writer.release(claimed, count_attempt=False)
-            raise
+            self.writer.release(rows, count_attempt=False)
+            raise claimed.fault
+        chunk = claimed.chunk
+        assert chunk is not None, "a claim with rows is prepared or has a fault"
         for line in chunk.failed:
             self.writer.add(line)
         if chunk.poison and self.export_metrics:
@@ -601,14 +633,14 @@ class Runner:
                 self.slots = min(self.slots, self.lane.limit)
             if self.export_metrics:
                 metrics.SLOTS.labels(self.model).set(self.slots)
-        batches = {row.batch_id for row in claimed}
+        batches = {row.batch_id for row in rows}
         self.held.note_batches(batches)
         hit = self._chunk_cached / self._chunk_prompt if self._chunk_prompt else None
         log.info(
             "%s: claimed %d lines of %d batch(es)%s; sizing: %s; prefix-cache hit rate %s since "
             "the last chunk, %.0f%% since start",
             self.model,
-            len(claimed),
+            len(rows),
             len(batches),
             f" ({len(batches & self._urgent)} urgent)" if batches & self._urgent else "",
             sizing.explanation if needs else "nothing runnable",
@@ -706,7 +738,7 @@ class Runner:
         running = self.held.take_running(lambda _h: True)
         queued = self.held.take_queued(lambda _h: True)
         self._abort_quietly([h.request_id for h in running])
-        unwritable: list[FinishedLine] = []
+        unwritable: list[results.Finished] = []
         try:
             self._flush()
         except Exception:

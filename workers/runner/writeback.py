@@ -11,7 +11,9 @@ stalling them: at GPU step rates (10–40 ms) a 50–300 ms round trip every sec
 of the engine's tokens (issue 14, ``offpeak bench overhead``). Its report (batch statuses, lines
 taken over) is applied at the next write-back; its lines stay in ``pending`` (still this
 worker's: renewed, never handed back) until the loop thread sees it stored. Every other write
-(a yield, a stop, a fault, the end of a drain) first waits for the one in flight.
+(a yield, a stop, a fault, the end of a drain) first waits for the one in flight. The records of
+answered lines are built by the write itself (``results.Answered``), so in the background on
+the writer's thread too.
 
 Leases are renewed by a write-back only once ``RENEW_FRACTION`` of the lease has passed since
 the last renewal (the heartbeat renews between them), not every second: renewing 500 held
@@ -25,14 +27,16 @@ import logging
 import math
 from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from offpeak.pricing import token_weights
 from offpeak.settings import Settings
+from offpeak.statuses import LineStatus
 from storage.errors import TRANSIENT_DB_ERRORS
 from storage.repositories import engine_chunks
-from storage.repositories.requests import ClaimedRequest, FinishedLine
+from storage.repositories.requests import ClaimedRequest
 from workers import worker_metrics
+from workers.runner.results import Finished, stored
 from workers.runner.server_share import ServerShare, UsageMeter
 from workers.scheduler.store import WorkStore, WriteBack, WriteBackReport
 
@@ -74,7 +78,7 @@ class ResultWriter:
         self.device = device
         self.export_metrics = export_metrics
         #: Finished lines not yet stored: the only copy of their results.
-        self.pending: list[FinishedLine] = []
+        self.pending: list[Finished] = []
         #: Engine seconds since the last stored chunk, and when that period began (unix).
         self.busy_seconds = 0.0
         self.period_started = started_at
@@ -95,7 +99,7 @@ class ResultWriter:
         weights = token_weights(self.settings)
         self.share = ServerShare(meter, weights) if meter is not None else None
 
-    def add(self, line: FinishedLine) -> None:
+    def add(self, line: Finished) -> None:
         self.pending.append(line)
 
     def row_ids(self) -> list[int]:
@@ -130,9 +134,10 @@ class ResultWriter:
             return earlier
         renew = at - self._renewed_at >= RENEW_FRACTION * self.settings.lease_seconds
         results = list(self.pending)
-        per_batch = engine_chunks.tokens_by_batch(results)
+        # Whether an engine chunk is recorded: any answered line (``tokens_by_batch``'s rule).
+        answered = any(line.status == LineStatus.SUCCEEDED for line in results)
         busy, started = self.busy_seconds, self.period_started
-        if per_batch:  # the seconds go with these results; a failed write gives them back
+        if answered:  # the seconds go with these results; a failed write gives them back
             self.busy_seconds, self.period_started = 0.0, at
         write = WriteBack(
             owner=self.owner,
@@ -140,8 +145,9 @@ class ResultWriter:
             device=self.device,
             at=at,
             lease_until=at + self.settings.lease_seconds,
-            results=results,
-            per_batch=per_batch,
+            # ``results`` and ``per_batch`` are filled in by ``_store`` (the records built there).
+            results=(),
+            per_batch={},
             started_at=started,
             busy_seconds=busy,
             batch_ids=set(batch_ids),
@@ -151,20 +157,23 @@ class ResultWriter:
         if background and self.share is None and not renew:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="write-back")
-            self._inflight = self._executor.submit(self._store, write, busy)
-            self._inflight_busy = (busy if per_batch else 0.0, started)
+            self._inflight = self._executor.submit(self._store, write, results, busy)
+            self._inflight_busy = (busy if answered else 0.0, started)
             return earlier
-        if self.share is not None and per_batch:
-            write.busy_seconds = self.share.seconds(per_batch)
         try:
-            outcome = self._store(write, busy)
+            outcome = self._store(write, results, busy)
         except BaseException:
-            self._give_back(busy if per_batch else 0.0, started)
+            self._give_back(busy if answered else 0.0, started)
             raise
         return _merge(earlier, self._apply(outcome))
 
-    def _store(self, write: WriteBack, raw_busy: float) -> _Written:
-        """One write-back, on either thread; the database unreachable gives no report."""
+    def _store(self, write: WriteBack, lines: list[Finished], raw_busy: float) -> _Written:
+        """One write-back of ``lines``, on either thread: their records built, their tokens per
+        batch summed, then stored; the database unreachable gives no report."""
+        results = [stored(line) for line in lines]
+        write = replace(write, results=results, per_batch=engine_chunks.tokens_by_batch(results))
+        if self.share is not None and write.per_batch:  # never in the background (``write``)
+            write.busy_seconds = self.share.seconds(write.per_batch)
         try:
             report = self.store.write_back(write)
         except TRANSIENT_DB_ERRORS as exc:
@@ -222,7 +231,7 @@ class ResultWriter:
             raise
         return self._apply(outcome)
 
-    def drop_pending(self) -> list[FinishedLine]:
+    def drop_pending(self) -> list[Finished]:
         """Forget the pending lines (the database refuses them) and return them."""
         dropped, self.pending = self.pending, []
         return dropped
