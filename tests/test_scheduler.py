@@ -246,14 +246,25 @@ def test_claims_top_up_while_decoding_and_sizing_follows_the_requests(
 
     class CountingStore(DbStore):
         held_at_claim: list[int] = []
+        limits: list[int] = []
 
         def claim(self, *args, **kwargs):  # type: ignore[no-untyped-def]
             self.held_at_claim.append(engine.num_unfinished())
+            self.limits.append(args[1])
             return super().claim(*args, **kwargs)
 
     # A KV cache of 4,096 tokens: short requests fit 16 at once (the engine's max_num_seqs),
     # requests of ~500 tokens only 7.
     engine = decoding_engine(model, max_num_seqs=16, kv_cache_tokens=4096)
+    # Which threads prepare (tokenize) claimed lines: top-ups are claimed and prepared on the
+    # claim thread while the engine decodes, not between its steps.
+    encode, encoded_on = engine.encode_chat, set()
+
+    def encode_chat(messages):  # type: ignore[no-untyped-def]
+        encoded_on.add(threading.current_thread().name.split("_")[0])
+        return encode(messages)
+
+    engine.encode_chat = encode_chat  # type: ignore[method-assign]
     short_ids = [f"s{i}" for i in range(100)]
     long_ids = [f"l{i}" for i in range(20)]
     short = make_batch(settings, name, [chat(model, i, "Hi", 20) for i in short_ids])
@@ -268,6 +279,8 @@ def test_claims_top_up_while_decoding_and_sizing_follows_the_requests(
     assert any("engine slots 7" in m for m in sizing), sizing
     assert any(n > 0 for n in store.held_at_claim), "no claim topped up a running engine"
     assert max(store.held_at_claim) <= 2 * 16  # never more than slots x queue_depth held
+    assert store.limits[0] == 16  # nothing held: the slots' worth, so the engine starts at once
+    assert "claim" in encoded_on, encoded_on
     end(settings, sdk, short, short_ids)
     end(settings, sdk, long, long_ids)
 
