@@ -203,7 +203,7 @@ class RequestTpotServer(FakeServer):
 
 def test_requests_own_tpot_p95_is_held_too() -> None:
     server = RequestTpotServer()
-    controller = LaneController(lane(learn_seconds=4.0), max_num_seqs=64)
+    controller = LaneController(lane(learn_seconds=4.0, request_tpot=True), max_num_seqs=64)
     drive(controller, server, 12)
     assert controller.baseline_request_tpot() is not None
     assert controller.request_tpot_target() == pytest.approx(
