@@ -4,6 +4,7 @@ real SmolLM2 model) for end-to-end tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
@@ -184,6 +185,17 @@ def live(
         yield stack
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def live_starts_first(request: pytest.FixtureRequest) -> None:
+    """When a collected test uses the live stack, it starts with the session: its engine worker
+    loads SmolLM2 and all-MiniLM-L6-v2 (~65 s) while the tests before the first live one run
+    (``live`` itself waits only for the API). A stack that fails to start fails the tests that
+    use it, with its error (pytest keeps a session fixture's error), and no other test."""
+    if any("live" in item.fixturenames for item in request.session.items):
+        with contextlib.suppress(Exception):
+            request.getfixturevalue("live")
 
 
 @pytest.fixture()
