@@ -86,29 +86,45 @@ def load_average() -> list[float]:
 
 class RssSampler:
     """Samples a process's resident set size (bytes, its children included) every ``interval``
-    seconds on a thread; ``peak`` is the largest sample, ``baseline`` the first."""
+    seconds on a thread; ``peak`` is the largest sample, ``baseline`` the first, ``end`` the
+    last (taken on exit). ``parts_*`` split the same samples by process: ``"root"`` for
+    ``pid``, its children by process name (``VLLM::EngineCore``, ``VLLM::Worker``; a name
+    shared by several children is their sum), each part's peak taken on its own."""
 
     def __init__(self, pid: int, interval: float = 0.01) -> None:
         self.process = psutil.Process(pid)
         self.interval = interval
-        self.baseline = self._rss()
+        self.parts_baseline = self._parts()
+        self.parts_peak = dict(self.parts_baseline)
+        self.parts_end = dict(self.parts_baseline)
+        self.baseline = sum(self.parts_baseline.values())
         self.peak = self.baseline
+        self.end = self.baseline
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _rss(self) -> int:
-        total = 0
+    def _parts(self) -> dict[str, int]:
+        parts: dict[str, int] = {}
         for proc in [self.process, *self.process.children(recursive=True)]:
             try:
-                total += proc.memory_info().rss
+                name = "root" if proc.pid == self.process.pid else proc.name()
+                parts[name] = parts.get(name, 0) + proc.memory_info().rss
             except psutil.Error:
                 continue
-        return total
+        return parts
+
+    def _sample(self) -> None:
+        parts = self._parts()
+        for name, rss in parts.items():
+            self.parts_peak[name] = max(self.parts_peak.get(name, 0), rss)
+        self.parts_end = parts
+        self.end = sum(parts.values())
+        self.peak = max(self.peak, self.end)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.peak = max(self.peak, self._rss())
+                self._sample()
             except psutil.Error:
                 return
             self._stop.wait(self.interval)
@@ -120,7 +136,7 @@ class RssSampler:
     def __exit__(self, *_exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._rss())
+        self._sample()
 
     @property
     def growth(self) -> int:
