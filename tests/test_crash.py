@@ -129,8 +129,15 @@ def wait_until(check, stack: ServiceProcesses, timeout: float) -> None:  # type:
 
 
 def ready_workers(settings: Settings) -> list[str]:
+    """Ids of the ready engine workers (the control worker registers a ready record too)."""
     with session_scope(settings.resolved_database_url) as session:
-        return list(session.scalars(select(WorkerRecord.id).where(WorkerRecord.ready.is_(True))))
+        return list(
+            session.scalars(
+                select(WorkerRecord.id).where(
+                    WorkerRecord.ready.is_(True), WorkerRecord.role == "engine"
+                )
+            )
+        )
 
 
 def lines_by_status(settings: Settings, batch_id: str) -> dict[str, int]:
