@@ -14,6 +14,7 @@ inside a function under a main guard or in an already running worker, never at i
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import threading
@@ -70,7 +71,12 @@ class VllmEngine:
         #: Requests added and neither finished nor aborted, by our request id; ``step`` returns
         #: only these.
         self._pending: dict[str, _InFlight] = {}
-        self._template = TemplateTokenizer(self._tokenizer)
+        # A tokenizer of its own for the lines' prompts: the runner prepares claimed lines on its
+        # claim thread while vLLM detokenizes with ``self._tokenizer`` inside ``step`` on the
+        # loop thread, and a Hugging Face fast tokenizer is not safe across threads ("Already
+        # borrowed", huggingface/tokenizers#537). A deep copy has its own Rust tokenizer
+        # (0.12 s for SmolLM2's) and encodes the same ids.
+        self._template = TemplateTokenizer(copy.deepcopy(self._tokenizer))
         #: Started in vLLM's sleep mode: ``sleep`` frees the device memory, ``wake_up`` refills it.
         self.can_sleep = bool(getattr(llm.llm_engine.model_config, "enable_sleep_mode", False))
         self._closed = threading.Event()
