@@ -102,6 +102,40 @@ def test_chat_ids_have_one_bos_and_prompt_tokens_match(engine) -> None:
     assert one(engine, request(text_ids, max_tokens=4)).prompt_tokens == len(text_ids)
 
 
+def test_prompts_tokenize_on_another_thread_while_the_engine_steps(engine) -> None:
+    """The runner prepares claimed lines on its claim thread while ``step`` detokenizes on the
+    loop thread: the prompts' tokenizer is a Rust tokenizer of its own (Hugging Face fast
+    tokenizers are not safe across threads, huggingface/tokenizers#537), and encoding beside
+    running steps gives the same ids every time."""
+    import threading
+
+    template = engine._template.tokenizer
+    assert template is not engine._tokenizer
+    assert template._tokenizer is not engine._tokenizer._tokenizer
+    expected = chat(engine, "Tell me about the sea.")
+    seen: list[list[int]] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def encode_while_stepping() -> None:
+        try:
+            while not done.is_set():
+                seen.append(chat(engine, "Tell me about the sea."))
+        except BaseException as exc:  # noqa: BLE001 - the test reports whatever it was
+            errors.append(exc)
+
+    requests = [request(chat(engine, f"Count to {i + 3}."), max_tokens=16) for i in range(4)]
+    thread = threading.Thread(target=encode_while_stepping)
+    thread.start()
+    try:
+        results = run(engine, requests)  # detokenizes on this thread, step by step
+    finally:
+        done.set()
+        thread.join(30)
+    assert len(results) == 4
+    assert not errors and seen and all(ids == expected for ids in seen)
+
+
 def test_encode_chat_rejects_what_the_template_cannot_render(engine) -> None:
     parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]
     assert engine.encode_chat([{"role": "user", "content": parts}]) == chat(engine, "Hi there")
