@@ -172,6 +172,8 @@ class ServerMeter:
         self._last: tuple[float, ServerTokens] | None = None
         #: Whether we had work at the server at some point since the last reading.
         self._was_busy = False
+        #: The interval just after our work ended is already marked to count (once).
+        self._tail_counted = False
         #: Reads that failed in a row (``METRICS_FAILURES_FOR_FAULT``).
         self.failures = 0
 
@@ -186,13 +188,17 @@ class ServerMeter:
 
     def record(self, at: float, tokens: ServerTokens | None) -> None:
         """Account one reading taken at monotonic ``at`` (``None``: the read failed). The interval
-        since the last good reading counts when we had work at the server in it."""
+        since the last good reading counts when we had work at the server in it, and so does
+        the one after: the server bumps its counters after it has answered, so the last step's
+        tokens of a line that just finished can land after the reading that saw it finish
+        (seen: 5 of 954 generation tokens missed)."""
         busy = self._was_busy or self._busy()
         if tokens is None:
             self.failures += 1
             self._was_busy = busy  # the gap counts with the next good reading
             return
-        self._was_busy = self._busy()
+        self._was_busy = self._busy() or (busy and not self._tail_counted)
+        self._tail_counted = busy and not self._busy()
         self.failures = 0
         with self._lock:
             if self._last is not None and busy:
