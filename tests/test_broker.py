@@ -5,11 +5,14 @@ files. Writers and readers are separate processes, as the API, beat and workers 
 
 Each race is run against kombu's own transport too (the ``*_kombu_*`` controls): they show the
 harness reproduces the fault, so the tests of ``offpeak.broker`` can fail. If a control starts
-failing, kombu has fixed that race upstream.
+failing, kombu has fixed that race upstream. The controls widen the writer's window on purpose
+(``_pause_after_create``): left to chance, 20,000 messages once passed without a hit in CI.
 """
 
 from __future__ import annotations
 
+import builtins
+import io
 import json
 import logging
 import multiprocessing
@@ -54,7 +57,33 @@ def queue_name() -> str:
     return f"race.{uuid.uuid4().hex[:8]}"
 
 
-def _produce(folder: Path, transport: str, name: str, start: int, count: int) -> None:
+# Files a transport creates for a message or an exchange table: kombu's own names, and ours
+# (``offpeak.broker`` writes a hidden ``….tmp`` sibling, then renames it into place).
+_WRITTEN_SUFFIXES = (".msg", ".exchange", ".tmp")
+
+
+def _pause_after_create(seconds: float) -> None:
+    """In this (writer) process, wait ``seconds`` after creating a message or exchange file,
+    before its first byte is written: the window kombu's writer leaves between ``open`` and
+    ``write`` (microseconds, so a race with a reader is left to chance), made wide enough that a
+    reader polling the folder lands in it every time. Both ``open``s: kombu writes messages with
+    the builtin and exchange tables through ``Path.open`` (``io.open``)."""
+    real_open = io.open
+
+    def opener(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        handle = real_open(file, mode, *args, **kwargs)
+        if ("w" in mode or "x" in mode) and str(file).endswith(_WRITTEN_SUFFIXES):
+            time.sleep(seconds)
+        return handle
+
+    builtins.open = io.open = opener  # type: ignore[assignment]
+
+
+def _produce(
+    folder: Path, transport: str, name: str, start: int, count: int, pause: float = 0.0
+) -> None:
+    if pause:
+        _pause_after_create(pause)
     with _connect(folder, transport) as conn:
         queue = conn.SimpleQueue(name)
         for i in range(start, start + count):
@@ -97,7 +126,7 @@ def test_kombu_filesystem_transport_reads_half_written_messages(
 ) -> None:
     """Control: with kombu's transport a consumer racing a writer hits an empty message file."""
     writers_done = SPAWN.Event()
-    writer = SPAWN.Process(target=_produce, args=(tmp_path, KOMBU, queue_name, 0, 20_000))
+    writer = SPAWN.Process(target=_produce, args=(tmp_path, KOMBU, queue_name, 0, 200, 0.05))
     writer.start()
     _set_when_ended([writer], writers_done)  # so the consumer ends if the race never hits
     try:
@@ -106,6 +135,22 @@ def test_kombu_filesystem_transport_reads_half_written_messages(
         writer.kill()
         writer.join()
     assert errors and errors[0].startswith("JSONDecodeError"), errors
+
+
+def test_atomic_transport_never_shows_a_message_being_written(
+    tmp_path: Path, queue_name: str
+) -> None:
+    """The control's race, widened the same way, against ``offpeak.broker``: the consumer never
+    sees a message before it is whole, and takes every one once."""
+    writers_done = SPAWN.Event()
+    writer = SPAWN.Process(target=_produce, args=(tmp_path, OURS, queue_name, 0, 100, 0.05))
+    writer.start()
+    _set_when_ended([writer], writers_done)
+    ids, errors = _consume(tmp_path, OURS, queue_name, writers_done, stop_at_first_error=True)
+    writer.join()
+    assert writer.exitcode == 0
+    assert errors == []
+    assert sorted(ids) == list(range(100))
 
 
 def _set_when_ended(procs: list[Any], event: Any) -> None:
@@ -151,18 +196,23 @@ def test_atomic_transport_delivers_every_message_exactly_once(
     assert os.listdir(tmp_path / ".claimed") == []
 
 
-def _bind_exchanges(folder: Path, transport: str, count: int) -> None:
+def _bind_exchanges(folder: Path, transport: str, count: int, pause: float = 0.0) -> None:
+    if pause:
+        _pause_after_create(pause)
     with _connect(folder, transport) as conn:
         channel = conn.default_channel
         for k in range(count):
             channel._queue_bind(f"ex{k}", f"rk{k}", "", f"q{k}")
 
 
-def _read_tables_while_created(folder: Path, transport: str, count: int) -> tuple[int, list[str]]:
+def _read_tables_while_created(
+    folder: Path, transport: str, count: int, pause: float = 0.0
+) -> tuple[int, list[str]]:
     """Read each exchange table as soon as its file appears, while another process creates
     ``count`` of them (as a publish looks up the table of the exchange a new worker just
-    declared). Stops at the fifth error: (reads, errors)."""
-    writer = SPAWN.Process(target=_bind_exchanges, args=(folder, transport, count))
+    declared), pausing ``pause`` seconds after creating each file. Stops at the fifth error:
+    (reads, errors)."""
+    writer = SPAWN.Process(target=_bind_exchanges, args=(folder, transport, count, pause))
     writer.start()
     reads, errors, k = 0, [], 0
     control = folder / "control"
@@ -185,12 +235,15 @@ def _read_tables_while_created(folder: Path, transport: str, count: int) -> tupl
 
 def test_kombu_exchange_table_is_read_half_created(tmp_path: Path) -> None:
     """Control: kombu creates an exchange table empty, then writes it; a reader sees it empty."""
-    _, errors = _read_tables_while_created(tmp_path, KOMBU, 10_000)
+    _, errors = _read_tables_while_created(tmp_path, KOMBU, 200, pause=0.05)
     assert errors and errors[0].startswith("JSONDecodeError"), errors
 
 
-def test_atomic_exchange_tables_are_never_read_partial(tmp_path: Path) -> None:
-    reads, errors = _read_tables_while_created(tmp_path, OURS, 1_000)
+@pytest.mark.parametrize(("count", "pause"), [(1_000, 0.0), (100, 0.05)])
+def test_atomic_exchange_tables_are_never_read_partial(
+    tmp_path: Path, count: int, pause: float
+) -> None:
+    reads, errors = _read_tables_while_created(tmp_path, OURS, count, pause)
     assert errors == [] and reads > 0
     # Every table the writer finished holds its binding, and no temporary file is left.
     with _connect(tmp_path, OURS) as conn:
