@@ -526,13 +526,7 @@ class Runner:
     def _top_up(self, at: float) -> None:
         may_claim = self.gate.open or (self._urgent and not self.gate.hard_paused)
         if may_claim and at >= self._next_claim_at:
-            limit = claim_size(
-                self.slots,
-                len(self.held),
-                self.policy.queue_depth,
-                self.settings.chunk_size,
-                self.policy.min_claim,
-            )
+            limit = self._claim_limit()
             if limit and not self.held and self.claim_ahead is not None:
                 # Nothing held: the engine waits for this claim. Just its slots' worth, so it
                 # starts at once; the rest comes in the next claim, made while it steps.
@@ -550,6 +544,25 @@ class Runner:
         before = len(self.held.running)
         self.held.admit(self.engine, feed, self._admissible, self._refused)
         self.lines_sent += max(0, len(self.held.running) - before)
+        ahead = self.claim_ahead
+        if ahead is not None and self.held.running and not ahead.busy:
+            # The next claim overlaps the step about to run. An engine that finishes every
+            # line within a step (the instant engine, short answers at a GPU's step rate) is
+            # empty again at the next top-up, which would then claim with the engine idle.
+            limit = self._claim_limit() if may_claim and at >= self._next_claim_at else 0
+            if limit:
+                urgent = set(self._urgent)
+                ahead.start(lambda: self._claim_and_prepare(at, limit, urgent), limit)
+
+    def _claim_limit(self) -> int:
+        """Lines to claim now for what is held (``claim_size``)."""
+        return claim_size(
+            self.slots,
+            len(self.held),
+            self.policy.queue_depth,
+            self.settings.chunk_size,
+            self.policy.min_claim,
+        )
 
     def _refused(self, held: HeldLine, error: LineError) -> None:
         self.writer.add(results.failed(held.row, error, self.clock.time()))
