@@ -34,6 +34,7 @@ from storage.repositories import scheduler as scheduler_repo
 from tests.conftest import new_key
 from tests.helpers import check_ran_batch
 from tests.scheduler_support import MetricsEndpoint, decoding_engine, metrics_endpoint
+from workers.engine.instant import InstantEngine
 from workers.finalize import finalize
 from workers.planner import StepModel
 from workers.runner import Runner
@@ -283,6 +284,33 @@ def test_claims_top_up_while_decoding_and_sizing_follows_the_requests(
     assert "claim" in encoded_on, encoded_on
     end(settings, sdk, short, short_ids)
     end(settings, sdk, long, long_ids)
+
+
+def test_claims_overlap_the_steps_of_an_engine_that_empties_every_step(
+    settings: Settings, model: str, tenant: tuple[str, OpenAI]
+) -> None:
+    """The instant engine finishes every line in the step it was added: at each top-up the
+    engine is empty. The next claim is started on the claim thread as soon as lines are admitted,
+    so it runs during the step instead of after it with the engine idle; only the first claim
+    (nothing held yet) is made on the loop thread."""
+    name, sdk = tenant
+
+    class ThreadStore(DbStore):
+        threads: list[str] = []
+
+        def claim(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            self.threads.append(threading.current_thread().name.split("_")[0])
+            return super().claim(*args, **kwargs)
+
+    ids = [f"i{i}" for i in range(100)]
+    batch_id = make_batch(settings, name, [chat(model, i, "Hi", 4) for i in ids])
+    store = ThreadStore(settings.resolved_database_url)
+    stats = Runner(settings, InstantEngine(model), "w-instant", store=store).drain()
+    assert stats.requests == 100
+    # 16 slots: at least 100 / 32 claims; every one after the first overlapped a step.
+    assert store.threads[0] == "MainThread"
+    assert store.threads[1:6] == ["claim"] * 5, store.threads
+    end(settings, sdk, batch_id, ids)
 
 
 def test_chunk_runs_prompts_with_a_shared_prefix_together(
