@@ -85,8 +85,17 @@ def log_text(stack: ServiceProcesses) -> str:
 def test_engine_released_while_paused_and_the_batch_completes_after(
     live: ServiceProcesses, live_sdk: OpenAI, live_settings: Settings
 ) -> None:
+    # The engine runs all 60 lines at once (its slots outnumber them), so the batch must still be
+    # running when the pool is paused: 5 lines answer in two tokens (the sign it started), the
+    # other 55 count for 64 tokens (a sentence each ended within the same steps, and the batch was
+    # over before the pause: the release then never came, as nothing of the model was left).
     ids = [f"rel-{i}" for i in range(60)]
-    lines = [chat_line(i, f"Write a sentence about the number {i}.", max_tokens=24) for i in ids]
+    lines = [
+        chat_line(i, f"Write a sentence about the number {n}.", max_tokens=2)
+        if n < 5
+        else chat_line(i, f"Count from {n} to 500, separated by commas.", max_tokens=64)
+        for n, i in enumerate(ids)
+    ]
     batch = submit(live_sdk, lines)
 
     def completed() -> int:
@@ -94,6 +103,7 @@ def test_engine_released_while_paused_and_the_batch_completes_after(
         return counts.completed if counts else 0
 
     wait_until(lambda: completed() >= 5, live, 300, "the batch did not start")
+    assert completed() < len(ids), "the batch ended before the pool could be paused"
     # The worker may hold the embedding model's engine too (never released): the chat
     # model's core is the one that goes.
     before = {c.pid: c for c in engine_cores(live)}
