@@ -18,6 +18,15 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{time.time_ns() // 1000:013x}{secrets.token_hex(6)[:11]}"
 
 
+def new_ids(*prefixes: str) -> list[str]:
+    """One ``new_id`` per prefix, made together: one clock reading and one read of the OS's
+    random source for all of them (a finished line takes three ids; ``secrets`` per id was a
+    third of building its record)."""
+    stamp = f"{time.time_ns() // 1000:013x}"
+    random = os.urandom(6 * len(prefixes)).hex()
+    return [f"{p}{stamp}{random[12 * i : 12 * i + 11]}" for i, p in enumerate(prefixes)]
+
+
 def now() -> int:
     """Unix seconds, as the API shows times."""
     return int(time.time())

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from api.app import create_app
 from api.services import batches as batches_service
 from offpeak import endpoints
+from offpeak import ids as offpeak_ids
 from offpeak.endpoints import Endpoint, EngineInput, SamplingSpec, Tokenizer, records
 from offpeak.endpoints.records import Answer, CompletionRecord, Failure, TokenLogprob
 from offpeak.settings import ModelConfig, Settings
@@ -29,6 +30,8 @@ from storage.repositories import requests as requests_repo
 from tests.conftest import new_key
 from tests.helpers import check_ran_batch, line, validate
 from workers import serving
+from workers.engine.base import Completion, EngineResult, TopLogprob
+from workers.engine.base import TokenLogprob as EngineTokenLogprob
 from workers.engine.instant import InstantEngine
 from workers.finalize import _write_files, finalize
 from workers.runner import results
@@ -282,6 +285,83 @@ def test_a_record_holds_what_another_surface_renders() -> None:
     assert record.prompt_tokens == len(prepared.request.prompt_token_ids)
     assert record.line_id.startswith("batch_req_") and record.request_id.startswith("req_")
     assert record.response_id.startswith("chatcmpl-")
+
+
+def _engine_result(completions: int, logprobs: bool, text: str) -> EngineResult:
+    tops = [TopLogprob("a", -1.5), TopLogprob("b\u2028", 0), TopLogprob("c", -1e-7)]
+    lps = [
+        EngineTokenLogprob(token, value, tops)
+        for token, value in [("Hé", -0.5), ('"\\', -0.0), ("\x01", 0), ("x", -3.14159e-30)]
+    ]
+    return EngineResult(
+        "1",
+        prompt_tokens=11,
+        cached_tokens=4,
+        completions=[
+            Completion(
+                f"{text}{i}",
+                list(range(i + 2)),
+                "stop" if i else "length",
+                lps if logprobs else None,
+                stop_sequence="</s>" if i else None,
+            )
+            for i in range(completions)
+        ],
+    )
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("completions", [1, 3])
+@pytest.mark.parametrize("logprobs", [False, True])
+@pytest.mark.parametrize("text", ["OK", 'Hé "quoted" \\ \n\t\x00 \u2028 🙂 \ud7ff'])
+def test_an_answer_record_built_without_the_model_is_the_models_bytes(
+    monkeypatch: pytest.MonkeyPatch, endpoint: str, completions: int, logprobs: bool, text: str
+) -> None:
+    """The runner stores each answered line's record without building ``Answer`` (its cost per
+    line): the same bytes ``records.dump`` writes for the model, so files rendered from it are
+    the same too."""
+    body = {"model": "m", "max_tokens": 5}
+    body |= (
+        {"messages": [{"role": "user", "content": "hi"}]} if endpoint == CHAT else {"prompt": "hi"}
+    )
+    prepared = serving.prepare("1", endpoint, body, InstantEngine("m"))
+    result = _engine_result(completions, logprobs, text)
+    # The same fresh ids for both, in the order each takes them.
+    ids = iter(["batch_req_1", "req_1", "resp_1"] * 2)
+    monkeypatch.setattr(serving, "new_ids", lambda *prefixes: [next(ids) for _ in prefixes])
+    monkeypatch.setattr(serving, "new_line_ids", lambda: (next(ids), next(ids)))
+    monkeypatch.setattr(serving, "new_id", lambda _prefix: next(ids))
+    fast = serving.answer_record(prepared, result, created=1_700_000_000)
+    assert fast == records.dump(serving.answer(prepared, result, created=1_700_000_000))
+    assert endpoints.openai_line("c1", fast).startswith(b'{"id":"batch_req_1"')
+
+
+def test_an_answer_record_with_echoed_fields_takes_the_models_path() -> None:
+    fields: dict[str, Any] = {
+        "endpoint": "/v1/responses",
+        "model": "m",
+        "created": 1,
+        "line_id": "batch_req_1",
+        "request_id": "req_1",
+        "response_id": "resp_1",
+        "prompt_tokens": 1,
+        "cached_tokens": 0,
+        "completions": [{"text": "x", "finish_reason": "stop", "tokens": 1, "stop_sequence": None}],
+        # What the client sent, repeated: an integer beyond 64 bits orjson cannot write.
+        "echo": {"metadata": {"k": "v"}, "big": 2**70, "temperature": 1},
+    }
+    expected = records.dump(
+        Answer(**fields | {"completions": [CompletionRecord(**fields["completions"][0])]})
+    )
+    assert records.dump_answer(fields) == expected
+
+
+def test_ids_made_together_have_the_shape_of_one_id_each() -> None:
+    one = records.new_line_ids()[0]
+    made = offpeak_ids.new_ids("batch_req_", "req_", "chatcmpl-")
+    assert [len(i) for i in made] == [len(one), len("req_") + 24, len("chatcmpl-") + 24]
+    assert len({i[-11:] for i in made}) == 3  # each its own random part
+    assert all(i[-24:-11] == made[0][-24:-11] for i in made)  # one clock reading
 
 
 # --- Files written twice are the same files --------------------------------------------------

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from offpeak.endpoints.errors import LineError
-from offpeak.ids import new_id
+from offpeak.ids import new_ids
 
 _RECORD = ConfigDict(frozen=True, extra="ignore")
 
@@ -113,7 +114,8 @@ _MARK = '{"record":'
 
 def new_line_ids() -> tuple[str, str]:
     """A fresh output line ``id`` and ``request_id``."""
-    return new_id("batch_req_"), new_id("req_")
+    line_id, request_id = new_ids("batch_req_", "req_")
+    return line_id, request_id
 
 
 def failure(error: LineError) -> Failure:
@@ -133,6 +135,46 @@ def failure(error: LineError) -> Failure:
 def dump(record: Answer | Failure) -> str:
     """The JSON text stored in ``requests.result``."""
     return record.model_dump_json()
+
+
+def dump_answer(fields: dict[str, Any]) -> str:
+    """``dump(Answer(**fields))``, byte for byte, without building the model (a third of the
+    cost; the runner stores one per answered line). ``fields``: ``Answer``'s own, already of
+    its types (our engine's results, not client input), ``completions`` as dicts of
+    ``CompletionRecord``'s fields and ``logprobs`` as dicts of ``TokenLogprob``'s. A line
+    whose record repeats request fields (``echo``: any JSON the client sent) takes the model's
+    path, as does anything ``orjson`` refuses."""
+    if fields.get("echo") is not None:
+        return dump(Answer(**fields))
+    try:
+        return orjson.dumps(
+            {
+                "record": "answer",
+                **{name: fields.get(name) for name in _ANSWER_FIELDS},
+                "completions": [
+                    {name: c.get(name) for name in _COMPLETION_FIELDS}
+                    for c in fields["completions"]
+                ],
+                "echo": None,
+                "embeddings": fields.get("embeddings"),
+            }
+        ).decode()
+    except (orjson.JSONEncodeError, TypeError):
+        return dump(Answer(**fields))
+
+
+#: ``Answer``'s and ``CompletionRecord``'s fields in their order (``model_dump_json``'s).
+_ANSWER_FIELDS = (
+    "endpoint",
+    "model",
+    "created",
+    "line_id",
+    "request_id",
+    "response_id",
+    "prompt_tokens",
+    "cached_tokens",
+)
+_COMPLETION_FIELDS = ("text", "finish_reason", "tokens", "stop_sequence", "logprobs")
 
 
 def load(stored: str) -> Answer | Failure | None:

@@ -24,20 +24,21 @@ def succeeded(
     row: ClaimedRequest, prepared: Prepared, result: EngineResult, created: int, at: float
 ) -> FinishedLine:
     """The record of an answered request; ``created`` (unix seconds) goes in its body."""
-    answer = serving.answer(prepared, result, created)
     return FinishedLine(
         id=row.id,
         batch_id=row.batch_id,
         status=LineStatus.SUCCEEDED,
         finished_at=at,
         status_code=200,
-        result=records.dump(answer),
-        tokens=TokenCounts(
-            prompt=answer.prompt_tokens,
-            cached=answer.cached_tokens,
-            completion=answer.completion_tokens,
-        ),
+        result=serving.answer_record(prepared, result, created),
+        tokens=_tokens(result),
     )
+
+
+def _tokens(result: EngineResult) -> TokenCounts:
+    """The line's token counts as its record has them (``Answer.completion_tokens``)."""
+    completion = sum(len(c.token_ids) for c in result.completions)
+    return TokenCounts(result.prompt_tokens, result.cached_tokens, completion)
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,7 @@ def answered(
     row: ClaimedRequest, prepared: Prepared, result: EngineResult, created: int, at: float
 ) -> Answered:
     """An answered request, its record built later (``Answered.line``)."""
-    completion = sum(len(c.token_ids) for c in result.completions)
-    tokens = TokenCounts(result.prompt_tokens, result.cached_tokens, completion)
-    return Answered(row, prepared, result, created, at, tokens)
+    return Answered(row, prepared, result, created, at, _tokens(result))
 
 
 def stored(line: Finished) -> FinishedLine:
