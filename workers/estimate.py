@@ -209,7 +209,10 @@ class BatchEstimator:
         self._tokenizer: Tokenizer | None = None
         self._off = False
 
-    def add(self, settings: Settings, model: str, endpoint: str, raw: bytes) -> None:
+    def add(
+        self, settings: Settings, model: str, endpoint: str, line: bytes | dict[str, Any]
+    ) -> None:
+        """Count one request line (its JSON, or parsed as validation already did)."""
         if self._off:
             return
         if self.estimate is None:
@@ -222,7 +225,7 @@ class BatchEstimator:
             self.estimate = Estimate(model)
         assert self._tokenizer is not None
         try:
-            self.estimate.add(raw, self._tokenizer, endpoint)
+            self.estimate.add(line, self._tokenizer, endpoint)
         except Exception:  # an endpoint's own bug must not fail the file: count, log, go on
             log.exception("estimating a %s line of %s failed", endpoint, model)
             self.estimate.invalid_requests += 1

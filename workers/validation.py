@@ -97,11 +97,13 @@ class _Checker:
         #: The batch's model: the first line's, or the one set when the batch was created.
         self.model: str | None = model
         self.custom_ids: set[str] = set()
+        #: The last line ``check`` parsed (the estimate counts it without parsing it again).
+        self.line: Any = None
 
     def check(self, number: int, raw: bytes) -> tuple[dict[str, Any] | None, str]:
         """The line's problem (a ``batch.errors.data`` entry) or ``None``, and its custom_id."""
         try:
-            line = orjson.loads(raw)
+            line = self.line = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             return wire.batch_error(
                 wire.INVALID_JSON_LINE, f"Line {number} is not valid JSON: {exc}.", number
@@ -270,7 +272,7 @@ def _valid_rows(
             return
         if not outcome.errors:
             assert checker.model is not None
-            outcome.estimate.add(settings, checker.model, batch.endpoint, raw)
+            outcome.estimate.add(settings, checker.model, batch.endpoint, checker.line)
             yield (batch_id, number, custom_id, checker.model, deadline, raw.decode())
 
 
