@@ -29,6 +29,7 @@ from storage.repositories import batches as batches_repo
 from storage.repositories import requests as requests_repo
 from tests.conftest import new_key
 from tests.helpers import check_ran_batch, line, validate
+from workers import finalize as finalize_module
 from workers import serving
 from workers.engine.base import Completion, EngineResult, TopLogprob
 from workers.engine.base import TokenLogprob as EngineTokenLogprob
@@ -385,10 +386,13 @@ def _file_bytes(settings: Settings, batch_id: str) -> tuple[bytes, bytes]:
     return b"".join(blobs.iter_chunks(out)), b"".join(blobs.iter_chunks(err))
 
 
-def test_finalizing_again_writes_the_same_bytes(settings: Settings, sdk: OpenAI) -> None:
+def test_finalizing_again_writes_the_same_bytes(
+    settings: Settings, sdk: OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three lines run (two answered, one failed alone), two never run (the batch is cancelled):
     writing the files a second time — a finalize that crashed after writing them — must not
-    change a byte, ids included."""
+    change a byte, ids included; nor the size of the pieces the lines are written in (the
+    second time one line a piece)."""
     lines = [
         line("ok", model=MODEL, body_logprobs=True, body_n=2),
         line("hot", model=MODEL, body_temperature=5),
@@ -433,6 +437,7 @@ def test_finalizing_again_writes_the_same_bytes(settings: Settings, sdk: OpenAI)
     assert ended.status == "cancelled" and len(output) == 2 and len(errors) == 3
     assert len(output[0]["response"]["body"]["choices"]) == 2
     first = _file_bytes(settings, batch.id)
+    monkeypatch.setattr(finalize_module._Lines, "PIECE_LINES", 1)
     with session_scope(url) as session:
         again = batches_repo.lock(session, batch.id)
         assert again is not None

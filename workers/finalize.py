@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import IO
 
 from sqlalchemy.orm import Session
 
@@ -76,13 +77,11 @@ def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
         _write_results(session, blobs, batch)
         return
     out_key, err_key = f"outputs/{batch.id}/output.jsonl", f"outputs/{batch.id}/errors.jsonl"
-    out_bytes = err_bytes = 0
-    with blobs.writer(out_key) as out, blobs.writer(err_key) as err:
+    with blobs.writer(out_key) as out_file, blobs.writer(err_key) as err_file:
+        out, err = _Lines(out_file), _Lines(err_file)
         for custom_id, status, result in requests_repo.iter_finished(session, batch.id):
             if status == LineStatus.SUCCEEDED:
-                line = endpoints.openai_line(custom_id, result) if result else b""
-                out.write(line + b"\n")
-                out_bytes += len(line) + 1
+                out.add(endpoints.openai_line(custom_id, result) if result else b"")
                 continue
             if status == LineStatus.FAILED and result:
                 line = endpoints.openai_line(custom_id, result)
@@ -91,10 +90,36 @@ def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
                 line = wire.never_ran_line(custom_id, *_NEVER_RAN[status], line_id=line_id)
             else:
                 continue  # pending/running rows do not exist once a batch is ending
-            err.write(line + b"\n")
-            err_bytes += len(line) + 1
-    _keep_file(session, blobs, batch, (out_bytes, out_key, "output", "output_file_id"))
-    _keep_file(session, blobs, batch, (err_bytes, err_key, "error", "error_file_id"))
+            err.add(line)
+        out.flush()
+        err.flush()
+    _keep_file(session, blobs, batch, (out.bytes, out_key, "output", "output_file_id"))
+    _keep_file(session, blobs, batch, (err.bytes, err_key, "error", "error_file_id"))
+
+
+class _Lines:
+    """JSONL lines written to ``handle`` in pieces of ``PIECE_LINES`` (one write call each:
+    a write per line through the blob store's file object cost ~8 µs a line, issue 14);
+    ``bytes``: what was added, newlines included."""
+
+    PIECE_LINES = 1024
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        self.handle = handle
+        self.bytes = 0
+        self._piece: list[bytes] = []
+
+    def add(self, line: bytes) -> None:
+        self._piece.append(line)
+        self.bytes += len(line) + 1
+        if len(self._piece) >= self.PIECE_LINES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._piece:
+            self._piece.append(b"")
+            self.handle.write(b"\n".join(self._piece))
+            self._piece.clear()
 
 
 def _write_results(session: Session, blobs: BlobStore, batch: Batch) -> None:
