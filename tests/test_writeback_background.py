@@ -127,6 +127,23 @@ def test_leases_renewed_by_a_write_back_only_when_due() -> None:
     assert due == [([7], True), ([], False), ([], False), ([7], True), ([], False)]
 
 
+def test_a_write_with_nothing_held_goes_to_the_background_though_a_renewal_is_due() -> None:
+    """An engine that empties every step (the instant engine) holds no line at its periodic
+    write-backs: with nothing to renew, the write need not stay on the loop thread, and a
+    renewal stays due for the first write that holds lines."""
+    store = GatedStore()
+    writer = _writer(store)
+    writer.add(_line(1))
+    assert writer.write(10.0, [], {"batch_x"}, background=True) is None  # started, not waited
+    assert store.entered.wait(30) and writer.row_ids() == [1]
+    store.gate.set()
+    report = writer.write(11.0, [3], {"batch_x"})  # waits for it; lines held: renews
+    assert report is not None and report.renewed
+    first, renewing = store.writes
+    assert [r.id for r in first.results] == [1] and first.held_ids == []
+    assert renewing.held_ids == [3]
+
+
 def test_answered_lines_get_their_records_built_by_the_background_write() -> None:
     """An answered line is held unbuilt (``results.Answered``); the periodic write builds its
     record on the writer's thread, with the token counts the runner counted from the start."""

@@ -132,7 +132,11 @@ class ResultWriter:
             return earlier
         if not self.pending and not batch_ids:
             return earlier
-        renew = at - self._renewed_at >= RENEW_FRACTION * self.settings.lease_seconds
+        # Nothing held, nothing to renew: such a write may go to the background (an engine that
+        # empties every step holds nothing at its write-backs, which all ran here before).
+        renew = bool(held_ids) and (
+            at - self._renewed_at >= RENEW_FRACTION * self.settings.lease_seconds
+        )
         results = list(self.pending)
         # Whether an engine chunk is recorded: any answered line (``tokens_by_batch``'s rule).
         answered = any(line.status == LineStatus.SUCCEEDED for line in results)
