@@ -5,6 +5,7 @@ same bytes."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -363,6 +364,20 @@ def test_ids_made_together_have_the_shape_of_one_id_each() -> None:
     assert [len(i) for i in made] == [len(one), len("req_") + 24, len("chatcmpl-") + 24]
     assert len({i[-11:] for i in made}) == 3  # each its own random part
     assert all(i[-24:-11] == made[0][-24:-11] for i in made)  # one clock reading
+
+
+def test_made_ids_never_repeat_across_refills_of_the_pool_nor_in_a_forked_child() -> None:
+    made = [offpeak_ids.new_ids("a_", "b_", "c_") for _ in range(2000)]  # 66,000 hex digits
+    digits = [i[-11:] for three in made for i in three]
+    assert len(set(digits)) == len(digits) and all(len(d) == 11 for d in digits)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child's next id, from the pool the parent had filled
+        os.write(write, offpeak_ids.new_ids("a_")[0][-11:].encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 11).decode()
+    assert child != offpeak_ids.new_ids("a_")[0][-11:]
 
 
 # --- Files written twice are the same files --------------------------------------------------
