@@ -44,8 +44,9 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
 class Reader:
-    """Runs a read-only function on a session of its own (``storage.db.read``: autocommit, no
-    pre-ping) in one threadpool call, for the endpoints users poll (``async def`` routes).
+    """Runs a read-only function on a connection of its own (``storage.db.read``: autocommit,
+    no pre-ping, Core rows) in one threadpool call, for the endpoints users poll (``async def``
+    routes).
 
     A plain ``def`` route with ``SessionDep`` crosses the threadpool for the session's entry,
     the route, the response's validation and the session's exit; its queries run in a
@@ -57,7 +58,7 @@ class Reader:
         self.database_url = database_url
 
     async def __call__(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(session, *args, **kwargs)``; raises what it raises (``api.errors`` for the
+        """``fn(connection, *args, **kwargs)``; raises what it raises (``api.errors`` for the
         client)."""
         return await run_in_threadpool(read, self.database_url, fn, *args, **kwargs)
 

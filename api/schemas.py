@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import Row
 
 from offpeak import endpoints
 from offpeak.pricing import Bill
@@ -38,15 +39,36 @@ class FileObject(BaseModel):
 
     @classmethod
     def of(cls, file: File) -> FileObject:
-        return cls(
-            id=file.id,
-            bytes=file.bytes,
-            created_at=file.created_at,
-            expires_at=file.expires_at,
-            filename=file.filename,
-            purpose=file.purpose,
-            status=file.status,
-        )
+        return cls.model_validate(file_json(file))
+
+
+def file_json(file: File | Row[Any]) -> dict[str, Any]:
+    """``FileObject`` as JSON-ready values, in its fields' order, from a ``File`` or a row of
+    its columns: what the reads users poll send as they are (``api.responses.WireJSON``),
+    without building the model. ``FileObject.of`` validates the same dict, so the two agree
+    (``tests/test_wire_json.py``)."""
+    return {
+        "id": file.id,
+        "object": "file",
+        "bytes": file.bytes,
+        "created_at": file.created_at,
+        "expires_at": file.expires_at,
+        "filename": file.filename,
+        "purpose": file.purpose,
+        "status": file.status,
+        "status_details": None,
+    }
+
+
+def list_json(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """A page of objects (``BatchList``, ``FileList``) as JSON-ready values."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
 
 
 class FileList(BaseModel):
@@ -155,57 +177,97 @@ class BatchObject(BaseModel):
 
     @classmethod
     def of(cls, batch: Batch, bill: Bill | None = None) -> BatchObject:
-        errors = (
-            BatchErrors(data=[BatchErrorEntry(**e) for e in batch.errors]) if batch.errors else None
-        )
-        return cls(
-            id=batch.id,
-            endpoint=batch.endpoint,
-            model=batch.model,
-            errors=errors,
-            input_file_id=batch.input_file_id,
-            completion_window=batch.completion_window,
-            status=batch.status,
-            output_file_id=batch.output_file_id,
-            error_file_id=batch.error_file_id,
-            created_at=batch.created_at,
-            in_progress_at=batch.in_progress_at,
-            expires_at=batch.expires_at,
-            finalizing_at=batch.finalizing_at,
-            completed_at=batch.completed_at,
-            failed_at=batch.failed_at,
-            expired_at=batch.expired_at,
-            cancelling_at=batch.cancelling_at,
-            cancelled_at=batch.cancelled_at,
-            request_counts=RequestCounts(
-                total=batch.total, completed=batch.completed, failed=batch.failed
-            ),
-            usage=BatchUsage(
-                input_tokens=batch.input_tokens,
-                input_tokens_details=InputTokensDetails(cached_tokens=batch.cached_tokens),
-                output_tokens=batch.output_tokens,
-                output_tokens_details=OutputTokensDetails(),
-                total_tokens=batch.input_tokens + batch.output_tokens,
-            ),
-            metadata=batch.metadata_,
-            **_bill_fields(bill),
-            **_schedule_fields(batch),
-            estimate=BatchEstimate(**batch.estimate) if batch.estimate else None,
-        )
+        return cls.model_validate(batch_json(batch, bill))
+
+
+def batch_json(batch: Batch | Row[Any], bill: Bill | None = None) -> dict[str, Any]:
+    """``BatchObject`` as JSON-ready values, in its fields' order and with its types (floats
+    where it has floats), from a ``Batch`` or a row of ``batches.POLL_COLUMNS``: what retrieve
+    and list send as they are (``api.responses.WireJSON``), without building 20 models for a
+    page. ``BatchObject.of`` validates the same dict, and ``tests/test_wire_json.py`` checks
+    that the model's JSON and this dict's are the same bytes."""
+    errors = batch.errors
+    estimate = batch.estimate
+    return {
+        "id": batch.id,
+        "object": "batch",
+        "endpoint": batch.endpoint,
+        "model": batch.model,
+        "errors": None
+        if not errors
+        else {
+            "object": "list",
+            "data": [
+                {
+                    "code": e["code"],
+                    "message": e["message"],
+                    "param": e.get("param"),
+                    "line": e.get("line"),
+                }
+                for e in errors
+            ],
+        },
+        "input_file_id": batch.input_file_id,
+        "completion_window": batch.completion_window,
+        "status": batch.status,
+        "output_file_id": batch.output_file_id,
+        "error_file_id": batch.error_file_id,
+        "created_at": batch.created_at,
+        "in_progress_at": batch.in_progress_at,
+        "expires_at": batch.expires_at,
+        "finalizing_at": batch.finalizing_at,
+        "completed_at": batch.completed_at,
+        "failed_at": batch.failed_at,
+        "expired_at": batch.expired_at,
+        "cancelling_at": batch.cancelling_at,
+        "cancelled_at": batch.cancelled_at,
+        "request_counts": {
+            "total": batch.total,
+            "completed": batch.completed,
+            "failed": batch.failed,
+        },
+        "usage": {
+            "input_tokens": batch.input_tokens,
+            "input_tokens_details": {"cached_tokens": batch.cached_tokens},
+            "output_tokens": batch.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": batch.input_tokens + batch.output_tokens,
+        },
+        "metadata": batch.metadata_,
+        **_bill_fields(bill),
+        **_schedule_fields(batch),
+        "estimate": None
+        if not estimate
+        else {
+            "prompt_tokens": int(estimate["prompt_tokens"]),
+            "max_completion_tokens": int(estimate["max_completion_tokens"]),
+            "price_low": float(estimate["price_low"]),
+            "price_high": float(estimate["price_high"]),
+            "requests": int(estimate["requests"]),
+            "invalid_requests": int(estimate["invalid_requests"]),
+        },
+    }
 
 
 def _bill_fields(bill: Bill | None) -> dict[str, Any]:
     if bill is None:
-        return {}
+        return dict.fromkeys(_BILL_FIELDS)
+    per_million = bill.cost_per_million_tokens
     return {
-        "gpu_seconds": round(bill.gpu_seconds, 6),
-        "cost": bill.cost,
-        "price": bill.price,
-        "cost_per_million_tokens": bill.cost_per_million_tokens,
-        "realtime_price": bill.realtime_price,
-        "saving": bill.saving,
+        "gpu_seconds": float(round(bill.gpu_seconds, 6)),
+        "cost": float(bill.cost),
+        "price": float(bill.price),
+        "cost_per_million_tokens": None if per_million is None else float(per_million),
+        "realtime_price": float(bill.realtime_price),
+        "saving": float(bill.saving),
         "billed_at": None if bill.billed_at is None else int(bill.billed_at),
     }
+
+
+_BILL_FIELDS = (
+    "gpu_seconds", "cost", "price", "cost_per_million_tokens", "realtime_price", "saving",
+    "billed_at",
+)  # fmt: skip
 
 
 class BatchList(BaseModel):
@@ -277,13 +339,17 @@ class UsageReport(BaseModel):
     total: UsageBucket
 
 
-def _schedule_fields(batch: Batch) -> dict[str, Any]:
+def _schedule_fields(batch: Batch | Row[Any]) -> dict[str, Any]:
     """``slack_seconds`` and ``estimated_completion_at`` of an ``in_progress`` batch that the
-    scheduler has estimated (``storage.models.Batch.estimated_completion_at``); none otherwise."""
+    scheduler has estimated (``storage.models.Batch.estimated_completion_at``); ``None``
+    otherwise."""
     eta = batch.estimated_completion_at
     if batch.status != BatchStatus.IN_PROGRESS or eta is None:
-        return {}
-    return {"slack_seconds": round(batch.expires_at - eta, 1), "estimated_completion_at": int(eta)}
+        return {"slack_seconds": None, "estimated_completion_at": None}
+    return {
+        "slack_seconds": float(round(batch.expires_at - eta, 1)),
+        "estimated_completion_at": int(eta),
+    }
 
 
 # --- Admin: the scheduler's switch and view (``/v1/admin/scheduler``) --------------------------

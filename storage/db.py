@@ -2,7 +2,7 @@
 
 Sessions are opened by the caller (an HTTP dependency or a task) with ``session_scope``: it
 commits on success and rolls back on error; services and repositories only ``flush()``.
-``read`` runs a read-only function on a session of its own, for the API's status polls.
+``read`` runs a read-only function on a connection of its own, for the API's status polls.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+#: What a query runs on: a session (ORM objects and Core rows) or a connection (Core rows).
+Executor = Session | Connection
 
 
 @lru_cache(maxsize=8)
@@ -66,11 +68,6 @@ def get_read_engine(url: str) -> Engine:
     return create_engine(url, isolation_level="AUTOCOMMIT", pool_size=20, max_overflow=0)
 
 
-@lru_cache(maxsize=8)
-def get_read_sessionmaker(url: str) -> sessionmaker[Session]:
-    return sessionmaker(get_read_engine(url), expire_on_commit=False)
-
-
 @contextmanager
 def session_scope(url: str) -> Iterator[Session]:
     """A session that commits when the block succeeds and rolls back when it raises."""
@@ -86,8 +83,9 @@ def session_scope(url: str) -> Iterator[Session]:
 
 
 def read(url: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(session, *args, **kwargs)`` on a read-only autocommit session
-    (``get_read_sessionmaker``).
+    """``fn(connection, *args, **kwargs)`` on a read-only autocommit connection of
+    ``get_read_engine``'s pool: Core statements, rows rather than ORM objects (a session and
+    ORM loading cost a status poll more than its statement; docs/benchmarks.md, "Status polls").
 
     ``fn`` must only read: in autocommit a write would commit at once, statement by statement,
     and no ``after_commit`` callback runs. Where the pool's connection was dead (the database
@@ -95,15 +93,14 @@ def read(url: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     pool is invalidated and ``fn`` runs once more on a new connection: it only read, so running
     it again is safe. Raises what ``fn`` raises, and ``DBAPIError`` for anything else.
     """
+    engine = get_read_engine(url)
     for attempt in (1, 2):
-        session = get_read_sessionmaker(url)()
         try:
-            return fn(session, *args, **kwargs)
+            with engine.connect() as connection:
+                return fn(connection, *args, **kwargs)
         except DBAPIError as exc:
             if attempt == 2 or not exc.connection_invalidated:
                 raise
-        finally:
-            session.close()
     raise AssertionError("unreachable")
 
 

@@ -1,5 +1,6 @@
-"""The read path of status polls (``storage.db.read``): autocommit without pre-ping, so a
-connection the database dropped is found dead on use, and the read runs again on a new one."""
+"""The read path of status polls (``storage.db.read``): a connection in autocommit without
+pre-ping, so a connection the database dropped is found dead on use, and the read runs again on
+a new one."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import io
 
 import psycopg
 from openai import OpenAI
-from sqlalchemy import text
+from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import Session
 
 from offpeak.settings import Settings
 from storage.db import read, session_scope
@@ -18,8 +18,8 @@ from tests.conftest import PG_ADMIN
 from tests.test_api import LINE
 
 
-def _backend_pid(session: Session) -> int:
-    return int(session.execute(text("SELECT pg_backend_pid()")).scalar_one())
+def _backend_pid(connection: Connection) -> int:
+    return int(connection.execute(text("SELECT pg_backend_pid()")).scalar_one())
 
 
 def _cut_connections(database_url: str) -> int:
@@ -39,9 +39,9 @@ def test_a_read_on_a_dropped_connection_runs_again(database_url: str) -> None:
     assert _cut_connections(database_url) >= 1
     calls: list[int] = []
 
-    def counted(session: Session) -> int:
+    def counted(connection: Connection) -> int:
         calls.append(1)
-        return _backend_pid(session)
+        return _backend_pid(connection)
 
     after = read(database_url, counted)
     assert after != before
@@ -51,9 +51,9 @@ def test_a_read_on_a_dropped_connection_runs_again(database_url: str) -> None:
 def test_reads_are_autocommit(database_url: str) -> None:
     """No transaction is open while a read runs (no BEGIN/COMMIT round trips)."""
 
-    def in_transaction(session: Session) -> bool:
-        session.execute(text("SELECT 1"))
-        dbapi = session.connection().connection.dbapi_connection
+    def in_transaction(connection: Connection) -> bool:
+        connection.execute(text("SELECT 1"))
+        dbapi = connection.connection.dbapi_connection
         assert isinstance(dbapi, psycopg.Connection)
         # After a statement in a transaction the server reports INTRANS; in autocommit, IDLE.
         return dbapi.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
@@ -64,9 +64,9 @@ def test_reads_are_autocommit(database_url: str) -> None:
 def test_an_error_that_is_not_a_disconnect_is_raised_once(database_url: str) -> None:
     calls: list[int] = []
 
-    def bad(session: Session) -> None:
+    def bad(connection: Connection) -> None:
         calls.append(1)
-        session.execute(text("SELECT no_such_column FROM batches"))
+        connection.execute(text("SELECT no_such_column FROM batches"))
 
     try:
         read(database_url, bad)

@@ -1,7 +1,8 @@
 """``/v1/batches``.
 
 Retrieve and list are what users poll: ``async def`` routes whose reads run in one threadpool
-call (``ReadDep``). Create and cancel write, in the request's transaction (``SessionDep``).
+call (``ReadDep``) and whose answers are written from plain dicts (``WireJSON``; the pydantic
+models document them). Create and cancel write, in the request's transaction (``SessionDep``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from fastapi import APIRouter, Query, Response
 
 from api.deps import CurrentTenant, ReadDep, SessionDep, SettingsDep
 from api.errors import error_responses
-from api.schemas import BatchList, BatchObject, CreateBatch
+from api.responses import WireJSON
+from api.schemas import BatchList, BatchObject, CreateBatch, list_json
 from api.services import batches as batches_service
 from api.services import usage as usage_service
 from api.services.idempotency import IdempotencyDep
@@ -45,23 +47,16 @@ async def list_batches(
     after: str | None = None,
     # Documented, not enforced here: the service refuses other values with its own message.
     limit: Annotated[int, Query(json_schema_extra={"minimum": 1, "maximum": 100})] = 20,
-) -> BatchList:
-    rows, has_more = await db(batches_service.page, settings, tenant.id, after=after, limit=limit)
-    data = [BatchObject.of(batch, bill) for batch, bill in rows]
-    return BatchList(
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=has_more,
-    )
+) -> WireJSON:
+    data, has_more = await db(batches_service.page, settings, tenant.id, after=after, limit=limit)
+    return WireJSON(list_json(data, has_more))
 
 
 @router.get("/{batch_id}", response_model=BatchObject, responses=error_responses(400, 401, 404))
 async def retrieve_batch(
     db: ReadDep, settings: SettingsDep, tenant: CurrentTenant, batch_id: str
-) -> BatchObject:
-    batch, bill = await db(batches_service.get_with_bill, settings, tenant.id, batch_id)
-    return BatchObject.of(batch, bill)
+) -> WireJSON:
+    return WireJSON(await db(batches_service.poll, settings, tenant.id, batch_id))
 
 
 @router.post(

@@ -1,18 +1,23 @@
 """``/v1/files``.
 
 Retrieve and content (the output a poll ends with) are ``async def`` routes whose reads run in
-one threadpool call (``ReadDep``); the rest use the request's transaction (``SessionDep``).
+one threadpool call (``ReadDep``): retrieve's answer is written from a plain dict (``WireJSON``),
+and content reads a file of up to 1 MiB in that same call. The rest use the request's
+transaction (``SessionDep``).
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Form, Query, Response, UploadFile
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import iterate_in_threadpool
 
 from api.deps import BlobsDep, CurrentTenant, ReadDep, SessionDep, SettingsDep
 from api.errors import BadRequest, error_responses
+from api.responses import WireJSON
 from api.schemas import FileDeleted, FileList, FileObject
 from api.services import files as files_service
 from api.services.idempotency import IdempotencyDep
@@ -83,8 +88,8 @@ def list_files(
 
 
 @router.get("/{file_id}", response_model=FileObject, responses=error_responses(400, 401, 404))
-async def retrieve_file(db: ReadDep, tenant: CurrentTenant, file_id: str) -> FileObject:
-    return FileObject.of(await db(files_service.get, tenant.id, file_id))
+async def retrieve_file(db: ReadDep, tenant: CurrentTenant, file_id: str) -> WireJSON:
+    return WireJSON(await db(files_service.retrieve, tenant.id, file_id))
 
 
 @router.get(
@@ -103,10 +108,18 @@ async def retrieve_file(db: ReadDep, tenant: CurrentTenant, file_id: str) -> Fil
 async def file_content(
     db: ReadDep, blobs: BlobsDep, tenant: CurrentTenant, file_id: str
 ) -> StreamingResponse:
-    # The chunks are read on the threadpool as they are sent (Starlette iterates a plain
-    # iterator there), after the row's read has returned its connection to the pool.
-    chunks = await db(files_service.content, blobs, tenant.id, file_id)
-    return StreamingResponse(chunks, media_type="application/octet-stream")
+    head, rest = await db(files_service.content, blobs, tenant.id, file_id)
+    return StreamingResponse(_stream(head, rest), media_type="application/octet-stream")
+
+
+async def _stream(head: list[bytes], rest: Iterator[bytes] | None) -> AsyncIterator[bytes]:
+    """The pieces read with the file's row, then the rest, each read on the threadpool as it
+    is sent (after the row's read has returned its connection to the pool)."""
+    for chunk in head:
+        yield chunk
+    if rest is not None:
+        async for chunk in iterate_in_threadpool(rest):
+            yield chunk
 
 
 @router.delete("/{file_id}", response_model=FileDeleted, responses=error_responses(400, 401, 404))

@@ -9,17 +9,16 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, Conflict, NotFound, unknown_cursor
-from api.schemas import CreateBatch
+from api.schemas import CreateBatch, batch_json
 from api.services import files as files_service
 from api.services import usage as usage_service
 from offpeak import endpoints
 from offpeak.endpoints import anthropic_messages
 from offpeak.ids import new_id, now
-from offpeak.pricing import Bill
 from offpeak.settings import Settings, window_seconds
 from offpeak.statuses import BatchStatus
 from storage import task_messages
-from storage.db import after_commit
+from storage.db import Executor, after_commit
 from storage.models import Batch
 from storage.repositories import batches as batches_repo
 from storage.repositories import files as files_repo
@@ -150,37 +149,36 @@ def get(session: Session, tenant_id: str, batch_id: str) -> Batch:
     return batch
 
 
-def get_with_bill(
-    session: Session, settings: Settings, tenant_id: str, batch_id: str
-) -> tuple[Batch, Bill]:
-    """``get`` and the batch's bill (``usage.bills_with``): one statement once it is billed,
-    two before (the engine time attributed so far). Read-only: a status poll.
+def poll(db: Executor, settings: Settings, tenant_id: str, batch_id: str) -> dict[str, Any]:
+    """The Batch object a retrieve answers, as JSON-ready values (``api.schemas.batch_json``):
+    one statement once the batch is billed, two before (the engine time attributed so far).
+    Read-only, rows rather than ORM objects: a status poll.
 
     Raises ``NotFound`` for an unknown or another tenant's batch."""
-    found = batches_repo.get_with_entry(session, tenant_id, batch_id)
-    if found is None or found[0].endpoint == anthropic_messages.URL:
+    row = batches_repo.poll_row(db, tenant_id, batch_id)
+    if row is None or row.endpoint == anthropic_messages.URL:
         raise _not_found(batch_id)
-    return found[0], usage_service.bills_with(session, settings, [found])[batch_id]
+    return batch_json(row, usage_service.bills_of_rows(db, settings, [row])[batch_id])
 
 
 def page(
-    session: Session, settings: Settings, tenant_id: str, *, after: str | None, limit: int
-) -> tuple[list[tuple[Batch, Bill]], bool]:
-    """A page of batches with their bills, newest first, and whether more follow; one
+    db: Executor, settings: Settings, tenant_id: str, *, after: str | None, limit: int
+) -> tuple[list[dict[str, Any]], bool]:
+    """A page of Batch objects (``poll``'s), newest first, and whether more follow; one
     statement when they are all billed (and ``after`` is not given). Read-only.
 
     Raises ``BadRequest`` for a bad ``limit`` and an ``after`` that names none of the tenant's
     batches (``unknown_cursor``)."""
     if not 1 <= limit <= 100:
         raise BadRequest("limit must be between 1 and 100.", param="limit")
-    if after and batches_repo.get(session, tenant_id, after) is None:
+    if after and not batches_repo.is_of_tenant(db, tenant_id, after):
         raise unknown_cursor("batch", after)
-    rows = batches_repo.page_with_entries(
-        session, tenant_id, after=after, limit=limit, exclude_endpoint=anthropic_messages.URL
+    rows = batches_repo.poll_page(
+        db, tenant_id, after=after, limit=limit, exclude_endpoint=anthropic_messages.URL
     )
     shown = rows[:limit]
-    bills = usage_service.bills_with(session, settings, shown)
-    return [(batch, bills[batch.id]) for batch, _ in shown], len(rows) > limit
+    bills = usage_service.bills_of_rows(db, settings, shown)
+    return [batch_json(row, bills[row.id]) for row in shown], len(rows) > limit
 
 
 def cancel(session: Session, settings: Settings, tenant_id: str, batch_id: str) -> Batch:

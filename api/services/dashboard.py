@@ -10,7 +10,6 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from api.schemas import BatchObject
 from api.services import batches as batches_service
 from api.services import health as health_service
 from offpeak import pricing, scheduler_state
@@ -107,7 +106,7 @@ def data(
         "window_seconds": settings.metrics_window_seconds,
         "paused": sorted(pool for pool, on in scheduler_state.pauses(state).items() if on),
         "load": load_now,
-        "batches": [_with_display(BatchObject.of(b, bill).model_dump()) for b, bill in batches],
+        "batches": [_with_display(batch) for batch in batches],
         "models": _models(session, settings, at),
         # Models no live engine worker serves, a missing control worker: why work may not move.
         "alerts": health_service.alerts(session, settings, at),

@@ -5,14 +5,16 @@ from __future__ import annotations
 import codecs
 import hashlib
 from collections.abc import Iterator
-from typing import IO
+from typing import IO, Any
 
 from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, NotFound, PayloadTooLarge, unknown_cursor
+from api.schemas import file_json
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings
 from storage.blobs import CHUNK_BYTES, BlobStore
+from storage.db import Executor
 from storage.models import File
 from storage.repositories import files as files_repo
 
@@ -147,11 +149,42 @@ def get(session: Session, tenant_id: str, file_id: str) -> File:
     return file
 
 
-def content(session: Session, blobs: BlobStore, tenant_id: str, file_id: str) -> Iterator[bytes]:
-    file = get(session, tenant_id, file_id)
-    if not blobs.exists(file.blob_key):
-        raise NotFound(f"The content of {file_id} is no longer stored.", param="file_id")
-    return blobs.iter_chunks(file.blob_key)
+def retrieve(db: Executor, tenant_id: str, file_id: str) -> dict[str, Any]:
+    """The File object, as JSON-ready values (``api.schemas.file_json``), from a row of its
+    columns: a read users poll. Raises ``NotFound`` as ``get`` does."""
+    row = files_repo.poll_row(db, tenant_id, file_id)
+    if row is None:
+        raise NotFound(f"No such File object: {file_id}", param="file_id")
+    return file_json(row)
+
+
+#: Pieces of a file ``content`` reads before it answers: a file up to ``CHUNK_BYTES`` long is
+#: then all read (the second read finds its end).
+READ_AHEAD = 2
+
+
+def content(
+    db: Executor, blobs: BlobStore, tenant_id: str, file_id: str
+) -> tuple[list[bytes], Iterator[bytes] | None]:
+    """The file's bytes: its first pieces, read here (up to ``READ_AHEAD`` of ``CHUNK_BYTES``),
+    and an iterator over the rest, ``None`` when they were all of it (an output file of up to
+    1 MiB: most of the downloads that end a poll). The caller reads the rest as it sends it.
+
+    Raises ``NotFound`` as ``get`` does, and when the file's bytes are no longer stored."""
+    row = files_repo.poll_row(db, tenant_id, file_id)
+    if row is None:
+        raise NotFound(f"No such File object: {file_id}", param="file_id")
+    chunks = blobs.iter_chunks(row.blob_key)
+    head: list[bytes] = []
+    try:
+        for _ in range(READ_AHEAD):
+            chunk = next(chunks, None)
+            if chunk is None:
+                return head, None
+            head.append(chunk)
+    except FileNotFoundError:
+        raise NotFound(f"The content of {file_id} is no longer stored.", param="file_id") from None
+    return head, chunks
 
 
 def delete(session: Session, blobs: BlobStore, tenant_id: str, file_id: str) -> None:

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from sqlalchemy.orm import Session
 
 from offpeak.ids import now
+from storage.db import Executor
 from storage.models import ApiKey, Tenant
 from storage.repositories import tenants as tenants_repo
 
@@ -98,7 +99,7 @@ def cached_tenant(key: str) -> Tenant | None:
     return _cache.get(hash_key(key))
 
 
-def tenant_for_key(session: Session, key: str) -> Tenant | None:
+def tenant_for_key(db: Executor, key: str) -> Tenant | None:
     """The tenant of an unrevoked ``key``, or ``None``; from this process's cache when it was
     looked up in the last ``KEY_CACHE_SECONDS`` (then a transient ``Tenant``: read its
     columns, do not add it to a session)."""
@@ -106,7 +107,7 @@ def tenant_for_key(session: Session, key: str) -> Tenant | None:
     if cached is not None:
         return cached
     key_hash = hash_key(key)
-    tenant = tenants_repo.tenant_for_key_hash(session, key_hash)
+    tenant = tenants_repo.tenant_for_key_hash(db, key_hash)
     if tenant is not None:
         _cache.put(key_hash, tenant)
     return tenant

@@ -7,8 +7,9 @@ import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Literal
+from typing import Any, Literal
 
+from sqlalchemy import Row
 from sqlalchemy.orm import Session
 
 from api.errors import BadRequest
@@ -16,6 +17,7 @@ from api.schemas import UsageBucket, UsageReport
 from offpeak import pricing
 from offpeak.pricing import Bill
 from offpeak.settings import Settings
+from storage.db import Executor
 from storage.models import Batch, LedgerEntry
 from storage.repositories import ledger as ledger_repo
 from storage.repositories.ledger import UsageRow
@@ -36,33 +38,50 @@ def _from_entry(entry: LedgerEntry) -> Bill:
     )
 
 
+def _live(settings: Settings, batch: Batch | Row[Any], seconds: dict[str, float]) -> Bill:
+    """A live estimate at today's prices: engine seconds attributed so far, tokens so far."""
+    return pricing.bill(
+        settings,
+        batch.model,
+        seconds,
+        batch.input_tokens,
+        batch.cached_tokens,
+        batch.output_tokens,
+    )
+
+
 def bills(session: Session, settings: Settings, batches: Sequence[Batch]) -> dict[str, Bill]:
     """``batch_id → Bill`` for these batches in two queries: the ledger's frozen figures for
     billed batches, a live estimate at today's prices for the rest (running, or ended and not
     billed yet)."""
     entries = ledger_repo.entries_for(session, [b.id for b in batches])
-    return bills_with(session, settings, [(b, entries.get(b.id)) for b in batches])
-
-
-def bills_with(
-    session: Session, settings: Settings, rows: Sequence[tuple[Batch, LedgerEntry | None]]
-) -> dict[str, Bill]:
-    """``bills`` for batches read with their ledger entries (``ledger.with_entries``): no query
-    when every one is billed, one (the engine time attributed so far) for the others."""
-    live = [b.id for b, entry in rows if entry is None]
+    live = [b.id for b in batches if b.id not in entries]
     seconds = ledger_repo.attributed_seconds(session, live, pricing.token_weights(settings))
+    return {
+        b.id: _from_entry(entries[b.id])
+        if b.id in entries
+        else _live(settings, b, seconds.get(b.id, {}))
+        for b in batches
+    }
+
+
+def bills_of_rows(db: Executor, settings: Settings, rows: Sequence[Row[Any]]) -> dict[str, Bill]:
+    """``bills`` for rows of a batch's columns with its bill's (``ledger.with_bills``): no query
+    when every one is billed, one (the engine time attributed so far) for the others."""
+    live = [row.id for row in rows if row.billed_at is None]
+    seconds = ledger_repo.attributed_seconds(db, live, pricing.token_weights(settings))
     out: dict[str, Bill] = {}
-    for batch, entry in rows:
-        out[batch.id] = (
-            _from_entry(entry)
-            if entry is not None
-            else pricing.bill(
-                settings,
-                batch.model,
-                seconds.get(batch.id, {}),
-                batch.input_tokens,
-                batch.cached_tokens,
-                batch.output_tokens,
+    for row in rows:
+        out[row.id] = (
+            _live(settings, row, seconds.get(row.id, {}))
+            if row.billed_at is None
+            else Bill(
+                gpu_seconds=row.bill_gpu_seconds,
+                cost=float(row.bill_cost),
+                price=float(row.bill_price),
+                realtime_price=float(row.bill_realtime_price),
+                tokens=row.bill_tokens,
+                billed_at=row.billed_at,
             )
         )
     return out

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import Select, bindparam, event, func, select, update
+from sqlalchemy import Row, Select, bindparam, event, func, select, update
 from sqlalchemy.orm import Session, SessionTransaction
 
 from offpeak.statuses import BatchStatus, LineStatus
-from storage.models import Batch, LedgerEntry, RequestLine
+from storage.db import Executor
+from storage.models import Batch, RequestLine
 from storage.repositories import ledger as ledger_repo
 
 
@@ -27,20 +29,60 @@ def get(session: Session, tenant_id: str, batch_id: str) -> Batch | None:
     return session.scalar(_of_tenant(tenant_id, batch_id))
 
 
-#: Built once (a status poll runs it): building a statement and its cache key each time cost
-#: more than executing it.
-_WITH_ENTRY = ledger_repo.with_entries(
-    _of_tenant(bindparam("tenant_id"), bindparam("batch_id"))  # type: ignore[arg-type]
+#: The columns a status poll shows (``api.schemas.batch_json``), named as ``Batch``'s
+#: attributes, so the same code reads a row of them and a ``Batch``.
+POLL_COLUMNS = (
+    Batch.id, Batch.endpoint, Batch.model, Batch.errors, Batch.input_file_id,
+    Batch.completion_window, Batch.status, Batch.output_file_id, Batch.error_file_id,
+    Batch.created_at, Batch.in_progress_at, Batch.expires_at, Batch.finalizing_at,
+    Batch.completed_at, Batch.failed_at, Batch.expired_at, Batch.cancelling_at,
+    Batch.cancelled_at, Batch.total, Batch.completed, Batch.failed, Batch.input_tokens,
+    Batch.cached_tokens, Batch.output_tokens, Batch.metadata_.label("metadata_"),
+    Batch.estimated_completion_at, Batch.estimate,
+)  # fmt: skip
+
+# Built once, with bound parameters (status polls run them): building a statement and its
+# cache key each time cost more than executing it.
+_POLL_ONE = ledger_repo.with_bills(
+    select(*POLL_COLUMNS).where(
+        Batch.id == bindparam("batch_id"), Batch.tenant_id == bindparam("tenant_id")
+    )
+)
+_POLL_PAGE = ledger_repo.with_bills(
+    select(*POLL_COLUMNS)
+    .where(Batch.tenant_id == bindparam("tenant_id"), Batch.endpoint != bindparam("endpoint"))
+    .order_by(Batch.id.desc())
+    .limit(bindparam("rows"))
+)
+_POLL_PAGE_AFTER = _POLL_PAGE.where(Batch.id < bindparam("after"))
+_OF_TENANT = select(Batch.id).where(
+    Batch.id == bindparam("batch_id"), Batch.tenant_id == bindparam("tenant_id")
 )
 
 
-def get_with_entry(
-    session: Session, tenant_id: str, batch_id: str
-) -> tuple[Batch, LedgerEntry | None] | None:
-    """The batch and its bill's ledger entry (``None`` until billed), in one statement; ``None``
-    for an unknown or another tenant's batch."""
-    row = session.execute(_WITH_ENTRY, {"tenant_id": tenant_id, "batch_id": batch_id}).first()
-    return None if row is None else (row[0], row[1])
+def poll_row(db: Executor, tenant_id: str, batch_id: str) -> Row[Any] | None:
+    """The batch's ``POLL_COLUMNS`` and its bill's ``ledger.BILL_COLUMNS`` (NULL until billed)
+    in one statement; ``None`` for an unknown or another tenant's batch."""
+    return db.execute(_POLL_ONE, {"tenant_id": tenant_id, "batch_id": batch_id}).first()
+
+
+def poll_page(
+    db: Executor, tenant_id: str, *, after: str | None, limit: int, exclude_endpoint: str
+) -> Sequence[Row[Any]]:
+    """Up to ``limit + 1`` rows as ``poll_row``'s, newest first, older than the cursor
+    ``after``, without the batches of ``exclude_endpoint`` (another API surface's), in one
+    statement."""
+    params: dict[str, Any] = {"tenant_id": tenant_id, "endpoint": exclude_endpoint}
+    params["rows"] = limit + 1
+    if after:
+        params["after"] = after
+    return db.execute(_POLL_PAGE_AFTER if after else _POLL_PAGE, params).all()
+
+
+def is_of_tenant(db: Executor, tenant_id: str, batch_id: str) -> bool:
+    """Whether ``batch_id`` is one of the tenant's batches (of any API surface)."""
+    params = {"tenant_id": tenant_id, "batch_id": batch_id}
+    return db.execute(_OF_TENANT, params).first() is not None
 
 
 def get_for_update(
@@ -104,32 +146,6 @@ def lock(session: Session, batch_id: str) -> Batch | None:
 
 def get_any(session: Session, batch_id: str) -> Batch | None:
     return session.get(Batch, batch_id)
-
-
-def _page(
-    tenant_id: str, after: str | None, limit: int, exclude_endpoint: str | None
-) -> Select[Batch]:
-    query = select(Batch).where(Batch.tenant_id == tenant_id)
-    if exclude_endpoint is not None:
-        query = query.where(Batch.endpoint != exclude_endpoint)
-    if after:
-        query = query.where(Batch.id < after)
-    return query.order_by(Batch.id.desc()).limit(limit + 1)
-
-
-def page_with_entries(
-    session: Session,
-    tenant_id: str,
-    *,
-    after: str | None,
-    limit: int,
-    exclude_endpoint: str | None = None,
-) -> list[tuple[Batch, LedgerEntry | None]]:
-    """Up to ``limit + 1`` batches, newest first, older than the cursor ``after``, without those
-    of ``exclude_endpoint`` (another API surface's batches); each with its bill's ledger entry
-    (``None`` until billed), in one statement."""
-    query = ledger_repo.with_entries(_page(tenant_id, after, limit, exclude_endpoint))
-    return [(batch, entry) for batch, entry in session.execute(query)]
 
 
 def statuses(session: Session, batch_ids: Iterable[str]) -> dict[str, tuple[str, int]]:

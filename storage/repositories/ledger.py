@@ -17,14 +17,27 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
+from functools import lru_cache
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, Float, Select, case, cast, exists, func, literal, select
+from sqlalchemy import (
+    ColumnElement,
+    Float,
+    Select,
+    bindparam,
+    case,
+    cast,
+    exists,
+    func,
+    literal,
+    select,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from offpeak.pricing import TokenWeights
 from offpeak.statuses import BatchStatus
+from storage.db import Executor
 from storage.models import Batch, EngineChunk, EngineChunkBatch, LedgerEntry
 
 DAY_SECONDS = 86_400
@@ -60,24 +73,31 @@ def _share(w: TokenWeights) -> ColumnElement[float]:
     return case((whole > 0, part / whole), else_=by_requests)
 
 
-def attributed_seconds(
-    session: Session, batch_ids: Iterable[str], weights: TokenWeights
-) -> dict[str, dict[str, float]]:
-    """``batch_id → {worker pool (device) → engine seconds}`` attributed so far, by the rule in
-    this module's docstring. Batches with no finished request in any chunk are absent."""
-    ids = list(set(batch_ids))
-    if not ids:
-        return {}
-    rows = session.execute(
+@lru_cache(maxsize=8)
+def _attributed(weights: TokenWeights) -> Select[str, str, float]:
+    """``attributed_seconds``' statement, built once per weights (a status poll of a running
+    batch runs it: building it cost more than running it); ``ids`` an expanding parameter."""
+    return (
         select(
             EngineChunkBatch.batch_id,
             EngineChunk.device,
             func.sum(EngineChunk.busy_seconds * _share(weights)),
         )
         .join(EngineChunk, EngineChunk.id == EngineChunkBatch.chunk_id)
-        .where(EngineChunkBatch.batch_id.in_(ids))
+        .where(EngineChunkBatch.batch_id.in_(bindparam("ids", expanding=True)))
         .group_by(EngineChunkBatch.batch_id, EngineChunk.device)
     )
+
+
+def attributed_seconds(
+    db: Executor, batch_ids: Iterable[str], weights: TokenWeights
+) -> dict[str, dict[str, float]]:
+    """``batch_id → {worker pool (device) → engine seconds}`` attributed so far, by the rule in
+    this module's docstring. Batches with no finished request in any chunk are absent."""
+    ids = list(set(batch_ids))
+    if not ids:
+        return {}
+    rows = db.execute(_attributed(weights), {"ids": ids})
     out: dict[str, dict[str, float]] = {}
     for batch_id, device, seconds in rows:
         out.setdefault(batch_id, {})[device] = float(seconds or 0.0)
@@ -108,12 +128,25 @@ def insert_once(session: Session, values: dict[str, Any]) -> bool:
     return session.execute(statement).first() is not None
 
 
-def with_entries(query: Select[Batch]) -> Select[Batch, LedgerEntry]:
-    """``query`` (a select of ``Batch``) with each batch's bill alongside, ``None`` until it is
-    billed: one statement where a batch and then its entry were two round trips. The join is on
-    the ledger's unique ``key`` (``batch_key`` in SQL: ``'batch:' || batches.id``)."""
+#: A bill's figures beside its batch's columns (``with_bills``), named apart from them:
+#: engine seconds, the three amounts, the billed tokens (input + output) and ``billed_at``.
+BILL_COLUMNS = (
+    LedgerEntry.gpu_seconds.label("bill_gpu_seconds"),
+    LedgerEntry.cost.label("bill_cost"),
+    LedgerEntry.price.label("bill_price"),
+    LedgerEntry.realtime_price.label("bill_realtime_price"),
+    (LedgerEntry.input_tokens + LedgerEntry.output_tokens).label("bill_tokens"),
+    LedgerEntry.billed_at.label("billed_at"),
+)
+
+
+def with_bills(query: Select[Any]) -> Select[Any]:
+    """``query`` (a select of ``batches`` columns) with each batch's bill's figures
+    (``BILL_COLUMNS``), NULL until it is billed: one statement where a batch and then its bill
+    were two round trips. The join is on the ledger's unique ``key`` (``batch_key`` in SQL:
+    ``'batch:' || batches.id``)."""
     key = literal("batch:") + Batch.id
-    return query.add_columns(LedgerEntry).outerjoin(LedgerEntry, LedgerEntry.key == key)
+    return query.add_columns(*BILL_COLUMNS).outerjoin(LedgerEntry, LedgerEntry.key == key)
 
 
 def entries_for(session: Session, batch_ids: Iterable[str]) -> dict[str, LedgerEntry]:

@@ -6,6 +6,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from offpeak.ids import new_id, now
+from storage.db import Executor
 from storage.models import ApiKey, Tenant
 
 
@@ -36,13 +37,15 @@ def add_key(
     return key
 
 
-def tenant_for_key_hash(session: Session, key_hash: str) -> Tenant | None:
-    """The tenant owning an unrevoked key with this SHA-256 hex digest."""
-    return session.scalar(
-        select(Tenant)
+def tenant_for_key_hash(db: Executor, key_hash: str) -> Tenant | None:
+    """The tenant owning an unrevoked key with this SHA-256 hex digest: a transient ``Tenant``
+    (in no session) built from its columns, so a status poll's connection can look it up."""
+    row = db.execute(
+        select(Tenant.id, Tenant.name, Tenant.created_at)
         .join(ApiKey, ApiKey.tenant_id == Tenant.id)
         .where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None))
-    )
+    ).first()
+    return None if row is None else Tenant(id=row.id, name=row.name, created_at=row.created_at)
 
 
 def keys(session: Session, tenant_name: str | None) -> list[tuple[ApiKey, str]]:
