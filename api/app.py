@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 import migrations
+from api.deps import Reader
 from api.errors import install_error_handlers
 from api.limits import BodyLimitMiddleware
 from api.routes import (
@@ -49,6 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="Offpeak", version=__version__, lifespan=lifespan)
     app.state.settings = settings
+    app.state.reader = Reader(settings.resolved_database_url)
     install_error_handlers(app)
     # Added first, so it runs inside the body limit: it buffers only bodies under that limit.
     app.add_middleware(LoneSurrogateMiddleware)

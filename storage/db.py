@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any, TypeVar
 
+import orjson
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
@@ -61,11 +62,20 @@ def get_read_engine(url: str) -> Engine:
     returned to a full pool, so under more concurrent polls than the pool holds every request
     paid for a new connection (a server process forked and authenticated) where it should wait
     for a free one. 20 a process keeps two API processes and the workers within PostgreSQL's
-    default ``max_connections`` (100).
+    default ``max_connections`` (100). JSON columns are parsed by orjson (``_loads``).
     """
     if url.startswith("sqlite"):
         return get_engine(url).execution_options(isolation_level="AUTOCOMMIT")
-    return create_engine(url, isolation_level="AUTOCOMMIT", pool_size=20, max_overflow=0)
+    return create_engine(
+        url, isolation_level="AUTOCOMMIT", pool_size=20, max_overflow=0, json_deserializer=_loads
+    )
+
+
+def _loads(text: str | bytes) -> Any:
+    """JSON columns on the read path: orjson parses a list page's 60 JSON values in a fraction
+    of ``json.loads``' time. The values are the same but for integers beyond 64 bits, which it
+    reads as floats; no column holds one (token counts, line numbers)."""
+    return orjson.loads(text)
 
 
 @contextmanager

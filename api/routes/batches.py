@@ -1,8 +1,9 @@
 """``/v1/batches``.
 
-Retrieve and list are what users poll: ``async def`` routes whose reads run in one threadpool
-call (``ReadDep``) and whose answers are written from plain dicts (``WireJSON``; the pydantic
-models document them). Create and cancel write, in the request's transaction (``SessionDep``).
+Retrieve and list are what users poll: ``async def`` routes with one dependency (``PollDep``:
+the tenant, the settings and the reader), whose reads run in one threadpool call and whose
+answers are written from plain dicts (``WireJSON``; the pydantic models document them). Create
+and cancel write, in the request's transaction (``SessionDep``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from api.deps import CurrentTenant, ReadDep, SessionDep, SettingsDep
+from api.deps import CurrentTenant, PollDep, SessionDep, SettingsDep
 from api.errors import error_responses
 from api.responses import WireJSON
 from api.schemas import BatchList, BatchObject, CreateBatch, list_json
@@ -41,22 +42,20 @@ def create_batch(
 
 @router.get("", response_model=BatchList, responses=error_responses(400, 401))
 async def list_batches(
-    db: ReadDep,
-    settings: SettingsDep,
-    tenant: CurrentTenant,
+    poll: PollDep,
     after: str | None = None,
     # Documented, not enforced here: the service refuses other values with its own message.
     limit: Annotated[int, Query(json_schema_extra={"minimum": 1, "maximum": 100})] = 20,
 ) -> WireJSON:
-    data, has_more = await db(batches_service.page, settings, tenant.id, after=after, limit=limit)
+    data, has_more = await poll.read(
+        batches_service.page, poll.settings, poll.tenant.id, after=after, limit=limit
+    )
     return WireJSON(list_json(data, has_more))
 
 
 @router.get("/{batch_id}", response_model=BatchObject, responses=error_responses(400, 401, 404))
-async def retrieve_batch(
-    db: ReadDep, settings: SettingsDep, tenant: CurrentTenant, batch_id: str
-) -> WireJSON:
-    return WireJSON(await db(batches_service.poll, settings, tenant.id, batch_id))
+async def retrieve_batch(poll: PollDep, batch_id: str) -> WireJSON:
+    return WireJSON(await poll.read(batches_service.poll, poll.settings, poll.tenant.id, batch_id))
 
 
 @router.post(

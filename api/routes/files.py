@@ -1,7 +1,7 @@
 """``/v1/files``.
 
 Retrieve and content (the output a poll ends with) are ``async def`` routes whose reads run in
-one threadpool call (``ReadDep``): retrieve's answer is written from a plain dict (``WireJSON``),
+one threadpool call (``PollDep``): retrieve's answer is written from a plain dict (``WireJSON``),
 and content reads a file of up to 1 MiB in that same call. The rest use the request's
 transaction (``SessionDep``).
 """
@@ -15,7 +15,7 @@ from fastapi import APIRouter, Form, Query, Response, UploadFile
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import iterate_in_threadpool
 
-from api.deps import BlobsDep, CurrentTenant, ReadDep, SessionDep, SettingsDep
+from api.deps import BlobsDep, CurrentTenant, PollDep, SessionDep, SettingsDep
 from api.errors import BadRequest, error_responses
 from api.responses import WireJSON
 from api.schemas import FileDeleted, FileList, FileObject
@@ -88,8 +88,8 @@ def list_files(
 
 
 @router.get("/{file_id}", response_model=FileObject, responses=error_responses(400, 401, 404))
-async def retrieve_file(db: ReadDep, tenant: CurrentTenant, file_id: str) -> WireJSON:
-    return WireJSON(await db(files_service.retrieve, tenant.id, file_id))
+async def retrieve_file(poll: PollDep, file_id: str) -> WireJSON:
+    return WireJSON(await poll.read(files_service.retrieve, poll.tenant.id, file_id))
 
 
 @router.get(
@@ -105,10 +105,8 @@ async def retrieve_file(db: ReadDep, tenant: CurrentTenant, file_id: str) -> Wir
         **error_responses(400, 401, 404),
     },
 )
-async def file_content(
-    db: ReadDep, blobs: BlobsDep, tenant: CurrentTenant, file_id: str
-) -> StreamingResponse:
-    head, rest = await db(files_service.content, blobs, tenant.id, file_id)
+async def file_content(poll: PollDep, blobs: BlobsDep, file_id: str) -> StreamingResponse:
+    head, rest = await poll.read(files_service.content, blobs, poll.tenant.id, file_id)
     return StreamingResponse(_stream(head, rest), media_type="application/octet-stream")
 
 

@@ -158,7 +158,8 @@ def poll(db: Executor, settings: Settings, tenant_id: str, batch_id: str) -> dic
     row = batches_repo.poll_row(db, tenant_id, batch_id)
     if row is None or row.endpoint == anthropic_messages.URL:
         raise _not_found(batch_id)
-    return batch_json(row, usage_service.bills_of_rows(db, settings, [row])[batch_id])
+    values = row._asdict()
+    return batch_json(values, usage_service.bills_of_rows(db, settings, [values])[batch_id])
 
 
 def page(
@@ -176,9 +177,9 @@ def page(
     rows = batches_repo.poll_page(
         db, tenant_id, after=after, limit=limit, exclude_endpoint=anthropic_messages.URL
     )
-    shown = rows[:limit]
+    shown = [row._asdict() for row in rows[:limit]]
     bills = usage_service.bills_of_rows(db, settings, shown)
-    return [batch_json(row, bills[row.id]) for row in shown], len(rows) > limit
+    return [batch_json(values, bills[values["id"]]) for values in shown], len(rows) > limit
 
 
 def cancel(session: Session, settings: Settings, tenant_id: str, batch_id: str) -> Batch:

@@ -155,7 +155,7 @@ def retrieve(db: Executor, tenant_id: str, file_id: str) -> dict[str, Any]:
     row = files_repo.poll_row(db, tenant_id, file_id)
     if row is None:
         raise NotFound(f"No such File object: {file_id}", param="file_id")
-    return file_json(row)
+    return file_json(row._asdict())
 
 
 #: Pieces of a file ``content`` reads before it answers: a file up to ``CHUNK_BYTES`` long is

@@ -4,12 +4,11 @@ before) and ``GET /v1/usage`` (sums of the tenant's bills)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Literal
 
-from sqlalchemy import Row
 from sqlalchemy.orm import Session
 
 from api.errors import BadRequest
@@ -38,16 +37,12 @@ def _from_entry(entry: LedgerEntry) -> Bill:
     )
 
 
-def _live(settings: Settings, batch: Batch | Row[Any], seconds: dict[str, float]) -> Bill:
-    """A live estimate at today's prices: engine seconds attributed so far, tokens so far."""
-    return pricing.bill(
-        settings,
-        batch.model,
-        seconds,
-        batch.input_tokens,
-        batch.cached_tokens,
-        batch.output_tokens,
-    )
+def _live(
+    settings: Settings, model: str | None, tokens: tuple[int, int, int], seconds: dict[str, float]
+) -> Bill:
+    """A live estimate at today's prices: engine seconds attributed so far and the (input,
+    cached, output) tokens so far."""
+    return pricing.bill(settings, model, seconds, *tokens)
 
 
 def bills(session: Session, settings: Settings, batches: Sequence[Batch]) -> dict[str, Bill]:
@@ -60,28 +55,41 @@ def bills(session: Session, settings: Settings, batches: Sequence[Batch]) -> dic
     return {
         b.id: _from_entry(entries[b.id])
         if b.id in entries
-        else _live(settings, b, seconds.get(b.id, {}))
+        else _live(
+            settings,
+            b.model,
+            (b.input_tokens, b.cached_tokens, b.output_tokens),
+            seconds.get(b.id, {}),
+        )
         for b in batches
     }
 
 
-def bills_of_rows(db: Executor, settings: Settings, rows: Sequence[Row[Any]]) -> dict[str, Bill]:
-    """``bills`` for rows of a batch's columns with its bill's (``ledger.with_bills``): no query
-    when every one is billed, one (the engine time attributed so far) for the others."""
-    live = [row.id for row in rows if row.billed_at is None]
+def bills_of_rows(
+    db: Executor, settings: Settings, rows: Sequence[Mapping[str, Any]]
+) -> dict[str, Bill]:
+    """``bills`` for batches' column values (``Row._asdict()``) read with their bill's
+    (``ledger.with_bills``): no query when every one is billed, one (the engine time attributed
+    so far) for the others."""
+    live = [row["id"] for row in rows if row["billed_at"] is None]
     seconds = ledger_repo.attributed_seconds(db, live, pricing.token_weights(settings))
     out: dict[str, Bill] = {}
     for row in rows:
-        out[row.id] = (
-            _live(settings, row, seconds.get(row.id, {}))
-            if row.billed_at is None
+        out[row["id"]] = (
+            _live(
+                settings,
+                row["model"],
+                (row["input_tokens"], row["cached_tokens"], row["output_tokens"]),
+                seconds.get(row["id"], {}),
+            )
+            if row["billed_at"] is None
             else Bill(
-                gpu_seconds=row.bill_gpu_seconds,
-                cost=float(row.bill_cost),
-                price=float(row.bill_price),
-                realtime_price=float(row.bill_realtime_price),
-                tokens=row.bill_tokens,
-                billed_at=row.billed_at,
+                gpu_seconds=row["bill_gpu_seconds"],
+                cost=float(row["bill_cost"]),
+                price=float(row["bill_price"]),
+                realtime_price=float(row["bill_realtime_price"]),
+                tokens=row["bill_tokens"],
+                billed_at=row["billed_at"],
             )
         )
     return out
