@@ -52,10 +52,18 @@ MIX = {"retrieve": 0.7, "list": 0.2, "download": 0.1}
 #: Connections of the bare SQL floor: enough to keep PostgreSQL busy on a few cores, few enough
 #: to leave room under ``max_connections`` beside the API's pools and other users of the server.
 SQL_FLOOR_CONNECTIONS = 10
-#: The retrieve's statement (``storage.repositories.batches.get_with_entry``), bare.
+#: The retrieve's statement (``storage.repositories.batches.poll_row``), bare.
 RETRIEVE_SQL = (
-    "SELECT batches.*, ledger_entries.* FROM batches LEFT OUTER JOIN ledger_entries"
-    " ON ledger_entries.key = 'batch:' || batches.id"
+    "SELECT batches.id, batches.endpoint, batches.model, batches.errors, batches.input_file_id,"
+    " batches.completion_window, batches.status, batches.output_file_id, batches.error_file_id,"
+    " batches.created_at, batches.in_progress_at, batches.expires_at, batches.finalizing_at,"
+    " batches.completed_at, batches.failed_at, batches.expired_at, batches.cancelling_at,"
+    " batches.cancelled_at, batches.total, batches.completed, batches.failed,"
+    " batches.input_tokens, batches.cached_tokens, batches.output_tokens, batches.metadata,"
+    " batches.estimated_completion_at, batches.estimate, ledger_entries.gpu_seconds,"
+    " ledger_entries.cost, ledger_entries.price, ledger_entries.realtime_price,"
+    " ledger_entries.input_tokens + ledger_entries.output_tokens, ledger_entries.billed_at"
+    " FROM batches LEFT OUTER JOIN ledger_entries ON ledger_entries.key = 'batch:' || batches.id"
     " WHERE batches.id = %s AND batches.tenant_id = %s"
 )
 #: One URL to request, and the kind its latency counts under.
