@@ -33,6 +33,7 @@ from storage.db import session_scope
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The intake app. Expects a migrated database (``offpeak migrate``)."""
     settings = settings or get_settings()
+    reader = Reader(settings.resolved_database_url)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -47,10 +48,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             with session_scope(settings.resolved_database_url) as session:
                 keys.ensure_key(session, "local", settings.local_api_key)
         yield
+        reader.close()
 
     app = FastAPI(title="Offpeak", version=__version__, lifespan=lifespan)
     app.state.settings = settings
-    app.state.reader = Reader(settings.resolved_database_url)
+    app.state.reader = reader
     install_error_handlers(app)
     # Added first, so it runs inside the body limit: it buffers only bodies under that limit.
     app.add_middleware(LoneSurrogateMiddleware)
