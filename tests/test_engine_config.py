@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from offpeak.settings import DEFAULT_MODEL, ModelConfig, _default_models
 from workers.engine.vllm_engine import CPU_BLOCK_SIZE, engine_kwargs
 
@@ -55,3 +57,25 @@ def test_block_size_is_measured_on_a_cpu_and_vllms_own_on_a_gpu() -> None:
     assert engine_kwargs("m", config, FOLDER, on_cpu=False)["block_size"] == 64
     config = ModelConfig(path=str(FOLDER), block_size=64, engine_args={"block_size": 32})
     assert engine_kwargs("m", config, FOLDER, on_cpu=True)["block_size"] == 32
+
+
+def test_the_embedding_engine_keeps_vllms_block_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU block size serves prefix caching, which an encoder-only model has none of."""
+    import vllm
+
+    from workers.engine.vllm_pooling import VllmPoolingEngine
+
+    seen: list[dict[str, object]] = []
+
+    class Loaded(Exception):
+        pass
+
+    def fake_llm(**kwargs: object) -> None:
+        seen.append(kwargs)
+        raise Loaded
+
+    monkeypatch.setattr(vllm, "LLM", fake_llm)
+    for config in (ModelConfig(path=str(FOLDER)), ModelConfig(path=str(FOLDER), block_size=64)):
+        with pytest.raises(Loaded):
+            VllmPoolingEngine.load("e", config, FOLDER)
+    assert "block_size" not in seen[0] and seen[1]["block_size"] == 64

@@ -132,6 +132,10 @@ class VllmPoolingEngine:
         # Encoder-only attention: no prefix to cache, and no partial prefill.
         kwargs["enable_prefix_caching"] = False
         kwargs["enable_chunked_prefill"] = False
+        if config.block_size is None and "block_size" not in config.engine_args:
+            # The text engine's CPU block size was chosen for prefix caching, which this one has
+            # none of: keep vLLM's own, as measured for issue 12.
+            kwargs.pop("block_size", None)
         started = time.monotonic()
         logger.info("loading embedding model %s from %s into vLLM", name, model_path)
         with _environment(ENGINE_PROCESS_ENV):
