@@ -42,8 +42,20 @@ def error_object(
 def batch_error(
     code: str, message: str, line: int | None = None, param: str | None = None
 ) -> dict[str, Any]:
-    """One entry of ``batch.errors.data``; ``line`` is 1-based."""
-    return {"code": code, "message": message, "param": param, "line": line}
+    """One entry of ``batch.errors.data``; ``line`` is 1-based. A NUL character in ``message``
+    or ``param`` (which quote the client's own text: a model name, a parameter's key) is written
+    as the six characters ``\\u0000``: PostgreSQL's ``jsonb`` cannot hold U+0000, and storing the
+    errors would fail the batch's validation again at every retry."""
+    return {
+        "code": code,
+        "message": _visible_nul(message),
+        "param": _visible_nul(param),
+        "line": line,
+    }
+
+
+def _visible_nul(text: str | None) -> str | None:
+    return text.replace("\x00", "\\u0000") if text is not None and "\x00" in text else text
 
 
 def response_line(

@@ -172,6 +172,28 @@ def test_expiry_keeps_finished_lines(settings: Settings, tenant_sdk: tuple[str, 
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
 
 
+def test_a_batch_finished_before_its_deadline_completes_when_finalized_after_it(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI]
+) -> None:
+    """Every line answered in time, the finalize late (the control worker was down at the
+    deadline): the batch is ``completed``, not ``expired`` (found by a break-it pass)."""
+    from storage.repositories import batches as batches_repo
+
+    tenant, sdk = tenant_sdk
+    ids = [f"r{i}" for i in range(20)]
+    batch_id = make(settings, tenant, [line(i, model=MODEL) for i in ids])
+    runner(settings, InstantEngine(MODEL)).drain()
+    with session_scope(settings.resolved_database_url) as session:
+        row = batches_repo.get_any(session, batch_id)
+        assert row is not None and row.status == "in_progress"  # not finalized yet
+        row.expires_at = int(time.time()) - 1  # the window ran out after the last line
+    finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    batch = sdk.batches.retrieve(batch_id)
+    assert batch.status == "completed" and batch.completed_at and not batch.expired_at
+    output, errors = check_ran_batch(sdk, batch, ids)
+    assert len(output) == 20 and not errors
+
+
 def test_lease_takeover_runs_each_line_once(
     settings: Settings, tenant_sdk: tuple[str, OpenAI]
 ) -> None:

@@ -132,6 +132,19 @@ def test_nul_in_custom_id_is_a_line_error(settings: Settings) -> None:
     assert rows == 0
 
 
+def test_nul_in_a_model_name_fails_the_batch_with_the_nul_shown(settings: Settings) -> None:
+    """The error quotes the client's model name; PostgreSQL's jsonb cannot store U+0000, so
+    storing the errors failed and the batch stayed ``validating`` (found by a break-it pass)."""
+    batch, rows = validate(settings, line("a") + b"\n" + line("b", body_model="Smol\x00") + b"\n")
+    assert batch.status == "failed" and batch.failed_at is not None
+    ((code, number, param, message),) = [
+        (e["code"], e["line"], e["param"], e["message"]) for e in batch.errors
+    ]
+    assert (code, number, param) == ("model_not_found", 2, "body.model")
+    assert "'Smol\\u0000'" in message and "\x00" not in message
+    assert rows == 0
+
+
 def test_required_body_fields_are_the_endpoints(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -190,7 +190,9 @@ def _advance(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
     """Advance a batch towards its end, if it is ready; safe to call any number of times.
 
     - ``in_progress`` with every line finished → ``finalizing`` → ``completed``.
-    - ``in_progress`` past ``expires_at`` → unrun lines become ``batch_expired`` → ``expired``.
+    - ``in_progress`` past ``expires_at`` with lines left undone → unrun lines become
+      ``batch_expired`` → ``expired``; with every line finished it ends ``completed`` (a finalize
+      that runs late, the control worker down at the deadline, changes nothing).
     - ``cancelling`` → unrun lines become ``batch_cancelled`` → ``cancelled``, once no worker
       still holds a live lease on one of its lines (``retry_in`` says when to look again).
     """
@@ -202,7 +204,11 @@ def _advance(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
         if batch.status == BatchStatus.VALIDATING:
             return Step(done=False)
         at = time.time()
-        if batch.status == BatchStatus.IN_PROGRESS and batch.expires_at <= at:
+        if (
+            batch.status == BatchStatus.IN_PROGRESS
+            and batch.expires_at <= at
+            and batches_repo.window_left_work(session, batch_id)
+        ):
             target = BatchStatus.EXPIRED
         elif batch.status == BatchStatus.CANCELLING:
             target = BatchStatus.CANCELLED

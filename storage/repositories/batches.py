@@ -279,6 +279,19 @@ def unfinished_by_status(session: Session, batch_id: str) -> dict[str, int]:
     return {status: count for status, count in rows}
 
 
+def window_left_work(session: Session, batch_id: str) -> bool:
+    """Whether this batch has a line still ``pending`` or ``running``, or one already ended
+    ``expired``: what makes a batch past its ``expires_at`` end ``expired`` rather than
+    ``completed``."""
+    statuses = (*LineStatus.UNFINISHED, LineStatus.EXPIRED)
+    first = session.execute(
+        select(RequestLine.id)
+        .where(RequestLine.batch_id == batch_id, RequestLine.status.in_(statuses))
+        .limit(1)
+    )
+    return first.first() is not None
+
+
 def active_models(session: Session) -> list[str]:
     """Models with batches still running, for re-enqueueing work after a restart."""
     rows = session.scalars(
