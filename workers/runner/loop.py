@@ -73,6 +73,12 @@ log = logging.getLogger(__name__)
 #: it must have stepped before that rate is trusted.
 RATE_SECONDS = 300.0
 RATE_TRUSTED_AFTER = 30.0
+#: Answered lines not yet stored past which the write-back waits for the one in flight rather
+#: than let them pile up: an engine that answers faster than the database stores (the instant
+#: engine, embeddings) would otherwise hold a growing backlog of records while the background
+#: write lags (``test_the_runner_holds_no_more_for_ten_times_the_inputs``). A GPU's second of
+#: answers (hundreds of lines) stays under it, so its write-backs stay in the background.
+MAX_UNWRITTEN_LINES = 1024
 
 
 @dataclass
@@ -302,10 +308,15 @@ class Runner:
             if self.held.running:
                 self._step()
                 looked_again = False
-                if self.clock.monotonic() - self._last_flush >= self.settings.flush_seconds:
+                backlog = len(self.writer.pending) >= MAX_UNWRITTEN_LINES
+                if (
+                    backlog
+                    or self.clock.monotonic() - self._last_flush >= self.settings.flush_seconds
+                ):
                     # On the wall clock the periodic write-back overlaps the next steps
-                    # (``workers.runner.writeback``); every other flush waits for it.
-                    self._flush(background=self.heartbeat is not None)
+                    # (``workers.runner.writeback``); every other flush, and one past the
+                    # backlog bound, waits for it.
+                    self._flush(background=self.heartbeat is not None and not backlog)
                 continue
             if self._lane_waits() and not (until is not None and until()):
                 # The lane has no room at the server yet (learning, or real-time is busy): its
