@@ -331,8 +331,6 @@ def test_an_answer_record_built_without_the_model_is_the_models_bytes(
     # The same fresh ids for both, in the order each takes them.
     ids = iter(["batch_req_1", "req_1", "resp_1"] * 2)
     monkeypatch.setattr(serving, "new_ids", lambda *prefixes: [next(ids) for _ in prefixes])
-    monkeypatch.setattr(serving, "new_line_ids", lambda: (next(ids), next(ids)))
-    monkeypatch.setattr(serving, "new_id", lambda _prefix: next(ids))
     fast = serving.answer_record(prepared, result, created=1_700_000_000)
     assert fast == records.dump(serving.answer(prepared, result, created=1_700_000_000))
     assert endpoints.openai_line("c1", fast).startswith(b'{"id":"batch_req_1"')

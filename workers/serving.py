@@ -14,8 +14,8 @@ from typing import Any
 from offpeak import endpoints
 from offpeak.endpoints import LineError, records
 from offpeak.endpoints.embeddings import encode_vector
-from offpeak.endpoints.records import Answer, CompletionRecord, TokenLogprob, new_line_ids
-from offpeak.ids import new_id, new_ids
+from offpeak.endpoints.records import Answer
+from offpeak.ids import new_ids
 from workers.engine.base import Completion, Engine, EngineRequest, EngineResult
 
 __all__ = ["LineError", "Prepared", "answer", "prepare"]
@@ -59,51 +59,40 @@ def prepare(
 
 def answer(prepared: Prepared, result: EngineResult, created: int) -> Answer:
     """The record of an answered line, with fresh ids; ``created`` is unix seconds."""
-    line_id, request_id = new_line_ids()
-    return Answer(
-        endpoint=prepared.endpoint,
-        model=prepared.model,
-        created=created,
-        line_id=line_id,
-        request_id=request_id,
-        response_id=new_id(endpoints.get(prepared.endpoint).response_id_prefix),
-        prompt_tokens=result.prompt_tokens,
-        cached_tokens=result.cached_tokens,
-        completions=[_completion(c) for c in result.completions],
-        echo=prepared.echo,
-        embeddings=(
-            None if result.embeddings is None else [encode_vector(v) for v in result.embeddings]
-        ),
-    )
+    return Answer(**_answer_fields(prepared, result, created))
 
 
 def answer_record(prepared: Prepared, result: EngineResult, created: int) -> str:
     """``records.dump(answer(prepared, result, created))`` built without the pydantic models
     (``records.dump_answer``): the stored record of an answered line, with fresh ids."""
+    return records.dump_answer(_answer_fields(prepared, result, created))
+
+
+def _answer_fields(prepared: Prepared, result: EngineResult, created: int) -> dict[str, Any]:
+    """``Answer``'s fields for an answered line, with fresh ids: what ``answer`` validates into
+    the model and ``answer_record`` writes straight to JSON."""
     line_id, request_id, response_id = new_ids(
         "batch_req_", "req_", endpoints.get(prepared.endpoint).response_id_prefix
     )
-    return records.dump_answer(
-        {
-            "endpoint": prepared.endpoint,
-            "model": prepared.model,
-            "created": created,
-            "line_id": line_id,
-            "request_id": request_id,
-            "response_id": response_id,
-            "prompt_tokens": result.prompt_tokens,
-            "cached_tokens": result.cached_tokens,
-            "completions": [_completion_fields(c) for c in result.completions],
-            "echo": prepared.echo,
-            "embeddings": (
-                None if result.embeddings is None else [encode_vector(v) for v in result.embeddings]
-            ),
-        }
-    )
+    return {
+        "endpoint": prepared.endpoint,
+        "model": prepared.model,
+        "created": created,
+        "line_id": line_id,
+        "request_id": request_id,
+        "response_id": response_id,
+        "prompt_tokens": result.prompt_tokens,
+        "cached_tokens": result.cached_tokens,
+        "completions": [_completion_fields(c) for c in result.completions],
+        "echo": prepared.echo,
+        "embeddings": (
+            None if result.embeddings is None else [encode_vector(v) for v in result.embeddings]
+        ),
+    }
 
 
 def _completion_fields(completion: Completion) -> dict[str, Any]:
-    """``CompletionRecord``'s fields of ``completion`` (``_completion``), as a dict."""
+    """``CompletionRecord``'s fields of ``completion``, as a dict."""
     logprobs = None
     if completion.logprobs is not None:
         logprobs = [
@@ -126,21 +115,3 @@ def _completion_fields(completion: Completion) -> dict[str, Any]:
 def _float(value: float | None) -> float | None:
     # As the record's ``float | None`` field stores it: an int engine value becomes a float.
     return None if value is None else float(value)
-
-
-def _completion(completion: Completion) -> CompletionRecord:
-    logprobs = None
-    if completion.logprobs is not None:
-        logprobs = [
-            TokenLogprob(
-                token=lp.token, logprob=lp.logprob, top=[(t.token, t.logprob) for t in lp.top]
-            )
-            for lp in completion.logprobs
-        ]
-    return CompletionRecord(
-        text=completion.text,
-        finish_reason=completion.finish_reason,
-        tokens=len(completion.token_ids),
-        logprobs=logprobs,
-        stop_sequence=completion.stop_sequence,
-    )
