@@ -16,7 +16,7 @@ from storage.db import session_scope
 from storage.models import EngineChunk, EngineChunkBatch, File, RequestLine
 from storage.repositories import requests as requests_repo
 from storage.repositories.requests import FinishedLine
-from tests.helpers import check_ran_batch, line, tenant_client, validate
+from tests.helpers import check_billed_once, check_ran_batch, line, tenant_client, validate
 from workers.engine.base import EngineResult
 from workers.engine.instant import InstantEngine
 from workers.finalize import finalize
@@ -192,6 +192,7 @@ def test_a_batch_finished_before_its_deadline_completes_when_finalized_after_it(
     assert batch.status == "completed" and batch.completed_at and not batch.expired_at
     output, errors = check_ran_batch(sdk, batch, ids)
     assert len(output) == 20 and not errors
+    check_billed_once(settings.resolved_database_url, batch)
 
 
 def test_lease_takeover_runs_each_line_once(
