@@ -286,6 +286,43 @@ EXACT = [
     ),
     (
         CHAT,
+        chat(seed=2**70),  # past 64 bits the JSON parser reads a float
+        (
+            f"Invalid 'seed': {2**70} must be between {-(2**63)} and {2**63 - 1}.",
+            "seed",
+            "invalid_value",
+        ),
+    ),
+    (
+        COMPLETIONS,
+        {"model": "m", "prompt": "x", "seed": float(-(2**70))},
+        (
+            f"Invalid 'seed': {-(2**70)} must be between {-(2**63)} and {2**63 - 1}.",
+            "seed",
+            "invalid_value",
+        ),
+    ),
+    (
+        CHAT,
+        chat(seed=1.5),
+        ("Invalid type for 'seed': expected an integer.", "seed", "invalid_type"),
+    ),
+    (
+        CHAT,
+        chat(modalities=["text", "audio"]),
+        (
+            "Invalid 'modalities': only 'text' output is supported by this server.",
+            "modalities",
+            "unsupported_value",
+        ),
+    ),
+    (
+        CHAT,
+        chat(modalities="text"),
+        ("Invalid 'modalities': expected a list of strings.", "modalities", "invalid_type"),
+    ),
+    (
+        CHAT,
         chat(tools=[{"type": "function"}]),
         ("'tools' is not supported by this server.", "tools", "unsupported_parameter"),
     ),
@@ -378,6 +415,8 @@ def test_errors_keep_their_exact_wording(
         chat(user="u", metadata={"k": "v"}, store=True, parallel_tool_calls=None, foo=[1]),
         chat(messages=[{"role": "assistant", "content": None, "name": "a", "tool_calls": []}]),
         chat(stop="", logprobs=False, seed=-(2**63), n=128, best_of=128, max_tokens=1),
+        chat(modalities=["text"]),
+        chat(modalities=None),
     ],
 )
 def test_unknown_and_unset_parameters_are_accepted(body: dict[str, Any]) -> None:

@@ -71,7 +71,9 @@ class CompletionRequest(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     stop: Annotated[tuple[str, ...], BeforeValidator(fields.stop_sequences)] = ()
-    seed: int | None = Field(None, ge=fields.INT64[0], le=fields.INT64[1])
+    seed: Annotated[int | None, BeforeValidator(fields.int64_seed)] = Field(
+        None, ge=fields.INT64[0], le=fields.INT64[1]
+    )
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
 

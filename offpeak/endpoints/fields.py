@@ -31,6 +31,36 @@ def unsupported(value: Any, info: ValidationInfo) -> Any:
     return value
 
 
+def int64_seed(seed: Any) -> Any:
+    """A ``seed`` too large for 64 bits arrives as a float (JSON parsers read integers past
+    64 bits as floats); it is out of range, not of the wrong type."""
+    if isinstance(seed, float) and seed.is_integer() and not INT64[0] <= seed <= INT64[1]:
+        raise fail(
+            "invalid_value",
+            f"Invalid 'seed': {int(seed)} must be between {INT64[0]} and {INT64[1]}.",
+            "seed",
+        )
+    return seed
+
+
+def text_modalities(modalities: Any) -> Any:
+    """``modalities``: only ``["text"]`` (or null) is served; asking for audio output is refused,
+    not answered in text."""
+    if modalities is None:
+        return None
+    if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
+        raise fail(
+            "invalid_type", "Invalid 'modalities': expected a list of strings.", "modalities"
+        )
+    if any(m != "text" for m in modalities):
+        raise fail(
+            "unsupported_value",
+            "Invalid 'modalities': only 'text' output is supported by this server.",
+            "modalities",
+        )
+    return modalities
+
+
 def stop_sequences(stop: Any) -> tuple[str, ...]:
     """``stop`` (a string, a list of at most ``MAX_STOP`` strings, or null) as a tuple of the
     non-empty stop strings."""
