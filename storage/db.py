@@ -14,7 +14,19 @@ from functools import lru_cache
 from typing import Any, TypeVar
 
 import orjson
-from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy import (
+    JSON,
+    Connection,
+    Engine,
+    Float,
+    Integer,
+    Numeric,
+    Select,
+    String,
+    create_engine,
+    event,
+)
+from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -112,6 +124,85 @@ def read(url: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
             if attempt == 2 or not exc.connection_invalidated:
                 raise
     raise AssertionError("unreachable")
+
+
+def _driver_typed(column_type: Any) -> bool:
+    """Whether psycopg returns this column type's values as SQLAlchemy would, with no result
+    processing: strings, integers, JSON (parsed by the dialect's deserializer, set on each
+    connection), ``Float`` as float and ``Numeric`` as ``Decimal``."""
+    if isinstance(column_type, Float):  # a Numeric too
+        return not column_type.asdecimal
+    if isinstance(column_type, Numeric):
+        return bool(column_type.asdecimal)
+    return isinstance(column_type, String | Integer | JSON)
+
+
+class PollQuery:
+    """A select that status polls run (``storage.repositories``' ``poll_row`` and ``poll_page``),
+    built once; it answers rows as dicts of its columns by key (what ``Row._asdict()`` gives).
+
+    On PostgreSQL it runs on the driver's cursor, as SQL compiled once: SQLAlchemy's execution
+    (compiled cache, execution context, result metadata from the cursor's description of 33
+    columns) cost a retrieve more CPU than psycopg's own execution (docs/benchmarks.md, "Status
+    polls"). A driver error is still raised as SQLAlchemy raises it (``DBAPIError``, ``DataError``
+    for a NUL character), and a dropped connection is invalidated, so ``read``'s retry and the
+    API's 400 work as on any statement. Elsewhere (SQLite, a session), and for a select with a
+    column of another type or parameters compiled late, it runs through SQLAlchemy."""
+
+    def __init__(self, query: Select[Any]) -> None:
+        self.query = query
+        self.keys = tuple(query.selected_columns.keys())
+        keys = self.keys
+
+        def make_dict(values: Any) -> dict[str, Any]:
+            return dict(zip(keys, values, strict=True))
+
+        self._row_factory = lambda _cursor: make_dict
+        self._compiled: dict[Dialect, tuple[str, dict[str, Any]] | None] = {}
+
+    def _driver_sql(self, dialect: Dialect) -> tuple[str, dict[str, Any]] | None:
+        """The SQL and its literals' parameters for psycopg (compiled once per dialect), or
+        ``None`` where SQLAlchemy must run it."""
+        if dialect in self._compiled:
+            return self._compiled[dialect]
+        compiled = None
+        if dialect.driver == "psycopg" and not dialect.is_async:
+            statement = self.query.compile(dialect=dialect)
+            typed = all(_driver_typed(column.type) for column in self.query.selected_columns)
+            if typed and "POSTCOMPILE" not in statement.string and not statement.positional:
+                literals = {
+                    name: bind.value
+                    for bind, name in statement.bind_names.items()
+                    if not bind.required
+                }
+                compiled = (statement.string, literals)
+        self._compiled[dialect] = compiled
+        return compiled
+
+    def all(self, db: Executor, params: dict[str, Any]) -> list[dict[str, Any]]:
+        if isinstance(db, Connection):
+            compiled = self._driver_sql(db.dialect)
+            if compiled is not None:
+                return self._on_cursor(db, compiled[0], {**compiled[1], **params})
+        return [row._asdict() for row in db.execute(self.query, params)]
+
+    def first(self, db: Executor, params: dict[str, Any]) -> dict[str, Any] | None:
+        rows = self.all(db, params)
+        return rows[0] if rows else None
+
+    def _on_cursor(self, db: Connection, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        try:
+            driver = db.connection.driver_connection
+            assert driver is not None
+            with driver.cursor(row_factory=self._row_factory) as cursor:
+                cursor.execute(sql, params)
+                rows: list[dict[str, Any]] = cursor.fetchall()
+                return rows
+        except db.dialect.loaded_dbapi.Error as exc:
+            # SQLAlchemy's own handling of a driver error (what ``execute`` does): wraps it,
+            # and invalidates the connection when the error says it was dropped.
+            db._handle_dbapi_exception(exc, sql, params, None, None)
+            raise  # not reached: the call above raises
 
 
 def is_postgres(session: Session) -> bool:

@@ -5,15 +5,19 @@ a new one."""
 from __future__ import annotations
 
 import io
+from decimal import Decimal
 
 import psycopg
+import pytest
 from openai import OpenAI
 from sqlalchemy import Connection, text
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DataError, DBAPIError
 
 from offpeak.settings import Settings
-from storage.db import read, session_scope
+from storage.db import Executor, get_read_engine, read, session_scope
+from storage.models import LedgerEntry
 from storage.repositories import batches as batches_repo
+from storage.repositories import files as files_repo
 from tests.conftest import PG_ADMIN
 from tests.test_api import LINE
 
@@ -94,3 +98,89 @@ def test_a_poll_sees_a_status_change_at_once(sdk: OpenAI, settings: Settings) ->
     assert (polled.request_counts.total, polled.request_counts.completed) == (3, 1)
     (listed,) = [b for b in sdk.batches.list(limit=5).data if b.id == batch.id]
     assert listed.status == "in_progress"
+
+
+def _billed_batch(sdk: OpenAI, settings: Settings) -> tuple[str, str]:
+    """A batch with its bill in the ledger; ``(tenant id, batch id)``."""
+    file = sdk.files.create(file=("in.jsonl", io.BytesIO(LINE)), purpose="batch")
+    batch = sdk.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    with session_scope(settings.resolved_database_url) as session:
+        row = batches_repo.get_any(session, batch.id)
+        assert row is not None
+        session.add(
+            LedgerEntry(
+                key=f"batch:{batch.id}", tenant_id=row.tenant_id, batch_id=batch.id, model="m",
+                status="completed", created_at=row.created_at, ended_at=row.created_at + 5,
+                window_seconds=86_400, billed_at=row.created_at + 5.25, requests=3,
+                input_tokens=10, cached_tokens=2, output_tokens=7, gpu_seconds=1.5,
+                cost=Decimal("0.000123"), price=Decimal("0.5"), realtime_price=Decimal("1"),
+            )
+        )  # fmt: skip
+        return row.tenant_id, batch.id
+
+
+def test_the_poll_statements_run_on_the_driver_as_through_sqlalchemy(
+    sdk: OpenAI, settings: Settings
+) -> None:
+    """On PostgreSQL the poll statements run on psycopg's cursor (``storage.db.PollQuery``):
+    the same keys, values and value types as the same statement through SQLAlchemy (a
+    session), for a billed batch (float and Decimal bill columns), a page and a file."""
+    url = settings.resolved_database_url
+    tenant_id, batch_id = _billed_batch(sdk, settings)
+    assert batches_repo._POLL_ONE._driver_sql(get_read_engine(url).dialect) is not None
+
+    def page(db: Executor) -> list[dict[str, object]]:
+        return batches_repo.poll_page(db, tenant_id, after=None, limit=5, exclude_endpoint="x")
+
+    def file_row(db: Executor) -> dict[str, object] | None:
+        with session_scope(url) as session:
+            stored = batches_repo.get_any(session, batch_id)
+            assert stored is not None
+            file_id = stored.input_file_id
+        return files_repo.poll_row(db, tenant_id, file_id)
+
+    for fn in (lambda db: batches_repo.poll_row(db, tenant_id, batch_id), page, file_row):
+        on_driver = read(url, fn)
+        with session_scope(url) as session:
+            through = fn(session)
+        assert on_driver and on_driver == through
+        rows = on_driver if isinstance(on_driver, list) else [on_driver]
+        throughs = through if isinstance(through, list) else [through]
+        for mine, theirs in zip(rows, throughs, strict=True):
+            assert list(mine) == list(theirs)
+            assert [type(v) for v in mine.values()] == [type(v) for v in theirs.values()]
+    billed = read(url, batches_repo.poll_row, tenant_id, batch_id)
+    assert billed is not None
+    assert billed["bill_cost"] == Decimal("0.000123") and billed["bill_gpu_seconds"] == 1.5
+
+
+def test_a_poll_statement_on_a_dropped_connection_runs_again(
+    sdk: OpenAI, settings: Settings
+) -> None:
+    """The driver's error on a dropped connection is SQLAlchemy's (``connection_invalidated``),
+    so ``read`` runs the poll again on a new connection."""
+    url = settings.resolved_database_url
+    tenant_id, batch_id = _billed_batch(sdk, settings)
+    assert read(url, batches_repo.poll_row, tenant_id, batch_id) is not None
+    assert _cut_connections(url) >= 1
+    calls: list[int] = []
+
+    def counted(connection: Connection) -> dict[str, object] | None:
+        calls.append(1)
+        return batches_repo.poll_row(connection, tenant_id, batch_id)
+
+    row = read(url, counted)
+    assert row is not None and row["id"] == batch_id
+    assert len(calls) == 2, "the first try met the dropped connection and was run again"
+
+
+def test_a_nul_in_a_poll_statement_is_sqlalchemys_data_error(
+    sdk: OpenAI, settings: Settings
+) -> None:
+    """What the API answers with a 400 (``api.errors``' ``DataError`` handler)."""
+    url = settings.resolved_database_url
+    tenant_id, _ = _billed_batch(sdk, settings)
+    with pytest.raises(DataError):
+        read(url, batches_repo.poll_row, tenant_id, "batch_\x00")

@@ -167,11 +167,17 @@ def test_a_row_gives_what_its_orm_object_gives(
         with session_scope(url) as session:
             session.add(_batch(**changes, id=batch_id, tenant_id=tenant_id))
         row = read(url, batches_repo.poll_row, tenant_id, batch_id)
-        assert row is not None and row.billed_at is None
+        assert row is not None and row["billed_at"] is None
         with session_scope(url) as session:
             stored = batches_repo.get(session, tenant_id, batch_id)
             assert stored is not None
-            assert batch_json(row._asdict()) == batch_json(column_values(stored))
+            assert batch_json(row) == batch_json(column_values(stored))
+            # The same statement through SQLAlchemy (a session: no driver's cursor) gives the
+            # same values of the same types.
+            through = batches_repo.poll_row(session, tenant_id, batch_id)
+            assert through is not None
+            assert list(through.items()) == list(row.items())
+            assert [type(v) for v in through.values()] == [type(v) for v in row.values()]
         polled = http.get(f"/v1/batches/{batch_id}", headers=headers)
         assert polled.status_code == 200
         expected = BatchObject.of(_batch(**changes)).model_dump()

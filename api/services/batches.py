@@ -156,10 +156,9 @@ def poll(db: Executor, settings: Settings, tenant_id: str, batch_id: str) -> dic
 
     Raises ``NotFound`` for an unknown or another tenant's batch."""
     row = batches_repo.poll_row(db, tenant_id, batch_id)
-    if row is None or row.endpoint == anthropic_messages.URL:
+    if row is None or row["endpoint"] == anthropic_messages.URL:
         raise _not_found(batch_id)
-    values = row._asdict()
-    return batch_json(values, usage_service.bills_of_rows(db, settings, [values])[batch_id])
+    return batch_json(row, usage_service.bills_of_rows(db, settings, [row])[batch_id])
 
 
 def page(
@@ -177,7 +176,7 @@ def page(
     rows = batches_repo.poll_page(
         db, tenant_id, after=after, limit=limit, exclude_endpoint=anthropic_messages.URL
     )
-    shown = [row._asdict() for row in rows[:limit]]
+    shown = rows[:limit]
     bills = usage_service.bills_of_rows(db, settings, shown)
     return [batch_json(values, bills[values["id"]]) for values in shown], len(rows) > limit
 

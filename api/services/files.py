@@ -155,7 +155,7 @@ def retrieve(db: Executor, tenant_id: str, file_id: str) -> dict[str, Any]:
     row = files_repo.poll_row(db, tenant_id, file_id)
     if row is None:
         raise NotFound(f"No such File object: {file_id}", param="file_id")
-    return file_json(row._asdict())
+    return file_json(row)
 
 
 #: Pieces of a file ``content`` reads before it answers: a file up to ``CHUNK_BYTES`` long is
@@ -174,7 +174,7 @@ def content(
     row = files_repo.poll_row(db, tenant_id, file_id)
     if row is None:
         raise NotFound(f"No such File object: {file_id}", param="file_id")
-    chunks = blobs.iter_chunks(row.blob_key)
+    chunks = blobs.iter_chunks(row["blob_key"])
     head: list[bytes] = []
     try:
         for _ in range(READ_AHEAD):

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Row, Select, bindparam, event, func, select, update
+from sqlalchemy import Select, bindparam, event, func, select, update
 from sqlalchemy.orm import Session, SessionTransaction
 
 from offpeak.statuses import BatchStatus, LineStatus
-from storage.db import Executor
+from storage.db import Executor, PollQuery
 from storage.models import Batch, RequestLine
 from storage.repositories import ledger as ledger_repo
 
@@ -43,32 +43,35 @@ POLL_COLUMNS = (
 
 # Built once, with bound parameters (status polls run them): building a statement and its
 # cache key each time cost more than executing it.
-_POLL_ONE = ledger_repo.with_bills(
-    select(*POLL_COLUMNS).where(
-        Batch.id == bindparam("batch_id"), Batch.tenant_id == bindparam("tenant_id")
+_POLL_ONE = PollQuery(
+    ledger_repo.with_bills(
+        select(*POLL_COLUMNS).where(
+            Batch.id == bindparam("batch_id"), Batch.tenant_id == bindparam("tenant_id")
+        )
     )
 )
-_POLL_PAGE = ledger_repo.with_bills(
+_PAGE = ledger_repo.with_bills(
     select(*POLL_COLUMNS)
     .where(Batch.tenant_id == bindparam("tenant_id"), Batch.endpoint != bindparam("endpoint"))
     .order_by(Batch.id.desc())
     .limit(bindparam("rows"))
 )
-_POLL_PAGE_AFTER = _POLL_PAGE.where(Batch.id < bindparam("after"))
+_POLL_PAGE = PollQuery(_PAGE)
+_POLL_PAGE_AFTER = PollQuery(_PAGE.where(Batch.id < bindparam("after")))
 _OF_TENANT = select(Batch.id).where(
     Batch.id == bindparam("batch_id"), Batch.tenant_id == bindparam("tenant_id")
 )
 
 
-def poll_row(db: Executor, tenant_id: str, batch_id: str) -> Row[Any] | None:
+def poll_row(db: Executor, tenant_id: str, batch_id: str) -> dict[str, Any] | None:
     """The batch's ``POLL_COLUMNS`` and its bill's ``ledger.BILL_COLUMNS`` (NULL until billed)
-    in one statement; ``None`` for an unknown or another tenant's batch."""
-    return db.execute(_POLL_ONE, {"tenant_id": tenant_id, "batch_id": batch_id}).first()
+    in one statement, by key; ``None`` for an unknown or another tenant's batch."""
+    return _POLL_ONE.first(db, {"tenant_id": tenant_id, "batch_id": batch_id})
 
 
 def poll_page(
     db: Executor, tenant_id: str, *, after: str | None, limit: int, exclude_endpoint: str
-) -> Sequence[Row[Any]]:
+) -> list[dict[str, Any]]:
     """Up to ``limit + 1`` rows as ``poll_row``'s, newest first, older than the cursor
     ``after``, without the batches of ``exclude_endpoint`` (another API surface's), in one
     statement."""
@@ -76,7 +79,7 @@ def poll_page(
     params["rows"] = limit + 1
     if after:
         params["after"] = after
-    return db.execute(_POLL_PAGE_AFTER if after else _POLL_PAGE, params).all()
+    return (_POLL_PAGE_AFTER if after else _POLL_PAGE).all(db, params)
 
 
 def is_of_tenant(db: Executor, tenant_id: str, batch_id: str) -> bool:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, Row, bindparam, or_, select
+from sqlalchemy import ColumnElement, bindparam, or_, select
 from sqlalchemy.orm import Session
 
 from offpeak.ids import now
-from storage.db import Executor
+from storage.db import Executor, PollQuery
 from storage.models import File
 
 
@@ -39,7 +39,7 @@ def get(session: Session, tenant_id: str, file_id: str) -> File | None:
 
 #: A live file's columns a status poll shows (``api.schemas.file_json``) and its ``blob_key``,
 #: built once with bound parameters (``poll_row``).
-_POLL_ONE = select(
+_POLL_ONE = PollQuery(select(
     File.id, File.bytes, File.created_at, File.expires_at, File.filename, File.purpose,
     File.status, File.blob_key,
 ).where(
@@ -47,15 +47,13 @@ _POLL_ONE = select(
     File.tenant_id == bindparam("tenant_id"),
     File.deleted.is_(False),
     _unexpired(bindparam("at")),  # type: ignore[arg-type]
-)  # fmt: skip
+))  # fmt: skip
 
 
-def poll_row(db: Executor, tenant_id: str, file_id: str) -> Row[Any] | None:
-    """``get``'s file as a row of ``_POLL_ONE``'s columns (no ORM object), for the reads
-    users poll; ``None`` for another tenant's, a deleted or an expired file."""
-    params = {"file_id": file_id, "tenant_id": tenant_id, "at": now()}
-    row: Row[Any] | None = db.execute(_POLL_ONE, params).first()  # type: ignore[assignment]
-    return row
+def poll_row(db: Executor, tenant_id: str, file_id: str) -> dict[str, Any] | None:
+    """``get``'s file as ``_POLL_ONE``'s columns by key (no ORM object), for the reads users
+    poll; ``None`` for another tenant's, a deleted or an expired file."""
+    return _POLL_ONE.first(db, {"file_id": file_id, "tenant_id": tenant_id, "at": now()})
 
 
 def live_by_blob_key(session: Session, blob_key: str) -> File | None:
