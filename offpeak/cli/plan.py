@@ -466,15 +466,16 @@ def calibrate_command(
     base + per-sequence ms for `offpeak plan batch --calibrated MODEL` and the scheduler.
     """
     from workers.calibration import calibrate, current_device
+    from workers.scheduler.chunking import engine_room
 
     settings = get_settings()
     sizes = _int_list(batch_sizes, "--batch-sizes")
-    if model in settings.models:
-        # The engine runs at most max_num_seqs at once; larger sizes would be mismeasured.
-        limit = settings.models[model].max_num_seqs
-        sizes = [b for b in sizes if b <= limit] or [1, limit]
     engine = build_engine(model)
     try:
+        # The engine runs at most max_num_seqs at once (as loaded: an unset one is the
+        # device's default); larger sizes would be mismeasured.
+        limit = engine_room(engine, settings.models.get(model)).max_num_seqs
+        sizes = [b for b in sizes if b <= limit] or [1, limit]
         result = calibrate(
             engine,
             sizes,

@@ -315,7 +315,8 @@ class RemoteEngine:
         self.served_model_name = config.served_model_name or model_name
         self.max_model_len = max_model_len
         self.priority = config.priority
-        self.max_in_flight = config.max_in_flight or config.max_num_seqs
+        # Unset, the server's limit is taken as a GPU server's default (its device is unknown).
+        self.max_in_flight = config.max_in_flight or config.max_num_seqs_on(on_cpu=False)
         #: The chunking's room (``workers.scheduler.chunking.engine_room``): what may be in flight.
         self.max_num_seqs = self.max_in_flight
         self._sync = client or httpx.Client(

