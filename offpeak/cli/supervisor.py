@@ -363,7 +363,9 @@ class ServiceProcesses:
     def check_alive(self) -> None:
         for name, proc in self.procs.items():
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.tail(name)}")
+                # A long tail: what made a worker stop comes before its shutdown's own lines.
+                tail = self.tail(name, 150)
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
 
     def tail(self, name: str, lines: int = 40) -> str:
         return _tail(self.log_dir / f"{name}.log", lines)
