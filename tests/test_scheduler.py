@@ -292,24 +292,35 @@ def test_claims_overlap_the_steps_of_an_engine_that_empties_every_step(
     """The instant engine finishes every line in the step it was added: at each top-up the
     engine is empty. The next claim is started on the claim thread as soon as lines are admitted,
     so it runs during the step instead of after it with the engine idle; only the first claim
-    (nothing held yet) is made on the loop thread."""
+    (nothing held yet) is made on the loop thread, besides the looks for more once the batch
+    ran out (nothing held then either). And while the engine empties every step, the runner
+    holds up to ``chunk_size`` lines, not ``slots × queue_depth``: a claim per step was the
+    pace of such an engine (``Runner._claim_limit``)."""
     name, sdk = tenant
 
     class ThreadStore(DbStore):
-        threads: list[str] = []
+        claims: list[tuple[str, int, int]] = []
 
-        def claim(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            self.threads.append(threading.current_thread().name.split("_")[0])
-            return super().claim(*args, **kwargs)
+        def claim(self, model, limit, *args, **kwargs):  # type: ignore[no-untyped-def]
+            rows = super().claim(model, limit, *args, **kwargs)
+            thread = threading.current_thread().name.split("_")[0]
+            self.claims.append((thread, limit, len(rows)))
+            return rows
 
-    ids = [f"i{i}" for i in range(100)]
+    ids = [f"i{i}" for i in range(300)]
     batch_id = make_batch(settings, name, [chat(model, i, "Hi", 4) for i in ids])
     store = ThreadStore(settings.resolved_database_url)
+    settings = settings.model_copy(update={"chunk_size": 128})
     stats = Runner(settings, InstantEngine(model), "w-instant", store=store).drain()
-    assert stats.requests == 100
-    # 16 slots: at least 100 / 32 claims; every one after the first overlapped a step.
-    assert store.threads[0] == "MainThread"
-    assert store.threads[1:6] == ["claim"] * 5, store.threads
+    assert stats.requests == 300
+    # 16 slots: the first claim is a slots' worth, made with the engine idle; every later one
+    # that found lines overlapped a step, and asked for up to chunk_size (128) minus what was
+    # held, not 2 × 16 minus it.
+    claims = store.claims
+    assert claims[0] == ("MainThread", 16, 16), claims
+    taking = [c for c in claims[1:] if c[2]]
+    assert len(taking) >= 2 and all(thread == "claim" for thread, _, _ in taking), claims
+    assert max(limit for _, limit, _ in taking) > 32, claims
     end(settings, sdk, batch_id, ids)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import types
 from datetime import datetime
 from zoneinfo import ZoneInfo
@@ -20,6 +21,7 @@ from offpeak.settings import SchedulerSettings, Settings
 from tests.scheduler_support import MetricsEndpoint, metrics_endpoint
 from workers.scheduler.hysteresis import Gate
 from workers.scheduler.signals import (
+    BackgroundMonitor,
     LoadMonitor,
     LoadReading,
     NvmlSignal,
@@ -97,6 +99,28 @@ def test_unreadable_signals_count_as_busy_unless_ignored(endpoint: MetricsEndpoi
     assert ignore.update(reading)
     endpoint.status = 200
     assert busy.update(monitor.read(0))  # readable again and idle: work resumes at once
+
+
+def test_a_refresh_brings_the_background_reading_at_once() -> None:
+    """A drain starts with ``refresh``: its first ``read`` waits for a reading begun after it.
+    The thread takes that reading at once rather than after its poll interval (it waited for
+    the next poll, up to a second by default, with the engine idle at every drain's start)."""
+
+    class Counting:
+        name = "counting"
+        reads = 0
+
+        def read(self, at: float) -> float:
+            Counting.reads += 1
+            return 0.1
+
+    monitor = BackgroundMonitor(LoadMonitor([Counting()]), poll_seconds=30.0, stale_after=60.0)
+    assert monitor.read(0).load == 0.1 and Counting.reads == 1  # the thread's first reading
+    monitor.refresh()
+    started = time.monotonic()
+    reading = monitor.read(1)
+    assert time.monotonic() - started < 5.0, "waited for the next poll"
+    assert reading.load == 0.1 and not reading.errors and Counting.reads == 2
 
 
 def test_the_largest_signal_wins_and_a_pause_closes_the_gate() -> None:

@@ -73,12 +73,14 @@ log = logging.getLogger(__name__)
 #: it must have stepped before that rate is trusted.
 RATE_SECONDS = 300.0
 RATE_TRUSTED_AFTER = 30.0
-#: Answered lines not yet stored past which the write-back waits for the one in flight rather
+#: Answered lines not yet stored, besides those of the write in flight, past which the
+#: write-back waits for the one in flight and then starts the next in the background rather
 #: than let them pile up: an engine that answers faster than the database stores (the instant
 #: engine, embeddings) would otherwise hold a growing backlog of records while the background
-#: write lags (``test_the_runner_holds_no_more_for_ten_times_the_inputs``). A GPU's second of
-#: answers (hundreds of lines) stays under it, so its write-backs stay in the background.
-MAX_UNWRITTEN_LINES = 1024
+#: write lags (``test_the_runner_holds_no_more_for_ten_times_the_inputs``). So at most about
+#: twice this (plus a step's answers) are held: the write in flight's and the next ones. A
+#: GPU's second of answers (hundreds of lines) mostly stays under it.
+MAX_UNWRITTEN_LINES = 512
 
 
 @dataclass
@@ -206,6 +208,8 @@ class Runner:
         self._rate_tokens = self._rate_seconds = 0.0
         self._published_at = -math.inf
         self._chunk_prompt = self._chunk_cached = 0
+        #: Whether the last step finished every line it ran (``_claim_limit``).
+        self._empties = False
         #: This process's totals, for the prefix-cache hit rate in logs and metrics.
         self.lifetime = DrainStats()
         self._stats = DrainStats()
@@ -308,15 +312,16 @@ class Runner:
             if self.held.running:
                 self._step()
                 looked_again = False
-                backlog = len(self.writer.pending) >= MAX_UNWRITTEN_LINES
+                backlog = self.writer.unwritten() >= MAX_UNWRITTEN_LINES
                 if (
                     backlog
                     or self.clock.monotonic() - self._last_flush >= self.settings.flush_seconds
                 ):
                     # On the wall clock the periodic write-back overlaps the next steps
-                    # (``workers.runner.writeback``); every other flush, and one past the
-                    # backlog bound, waits for it.
-                    self._flush(background=self.heartbeat is not None and not backlog)
+                    # (``workers.runner.writeback``); one past the backlog bound first waits
+                    # for the write in flight, then overlaps them too (the loop waiting for
+                    # its own write as well kept the claims and steps idle meanwhile).
+                    self._flush(background=self.heartbeat is not None, wait=backlog)
                 continue
             if self._lane_waits() and not (until is not None and until()):
                 # The lane has no room at the server yet (learning, or real-time is busy): its
@@ -345,7 +350,8 @@ class Runner:
         self.writer.release([h.row for h in queued], count_attempt=False)
 
     def _step(self) -> None:
-        running = min(len(self.held.running), self.slots)
+        ran = len(self.held.running)
+        running = min(ran, self.slots)
         started = self.clock.monotonic()
         try:
             finished = self.engine.step()
@@ -364,6 +370,9 @@ class Runner:
         keep = math.exp(-elapsed / RATE_SECONDS)
         self._rate_tokens = self._rate_tokens * keep + running
         self._rate_seconds = self._rate_seconds * keep + elapsed
+        # Every line the step ran finished in it (the instant engine, answers of a token or
+        # two): the next claim is then all the engine has to run (``_claim_limit``).
+        self._empties = bool(finished) and len(finished) >= ran and not self.lane
         created = unix_now()
         for result in finished:
             held = self.held.finished(result.request_id)
@@ -566,13 +575,16 @@ class Runner:
                 ahead.start(lambda: self._claim_and_prepare(at, limit, urgent), limit)
 
     def _claim_limit(self) -> int:
-        """Lines to claim now for what is held (``claim_size``)."""
+        """Lines to claim now for what is held (``claim_size``). While the engine finishes every
+        line within the step it joined, the runner holds up to ``chunk_size`` lines rather than
+        ``slots × queue_depth``: a queue a step deep is a claim per step, and the engine waited
+        for each (its round trips, the batches read, the lapsed-lease scan: a fixed cost per
+        claim) while the claim thread made it (``offpeak bench control``)."""
+        depth = self.policy.queue_depth
+        if self._empties and self.claim_ahead is not None and self.slots:
+            depth = max(depth, self.settings.chunk_size / self.slots)
         return claim_size(
-            self.slots,
-            len(self.held),
-            self.policy.queue_depth,
-            self.settings.chunk_size,
-            self.policy.min_claim,
+            self.slots, len(self.held), depth, self.settings.chunk_size, self.policy.min_claim
         )
 
     def _refused(self, held: HeldLine, error: LineError) -> None:
@@ -580,15 +592,17 @@ class Runner:
 
     def _claim_or_ahead(self, at: float, limit: int) -> tuple[Claimed, int] | None:
         """``(claimed, asked)``: a claim of ``limit`` lines, prepared. On the wall clock while
-        sequences run, it is made and prepared on the claim thread
-        (``workers.runner.claim_ahead``) and this returns ``None`` until it is done (then its
-        lines and the limit it asked for)."""
+        lines are held (running, or queued to run next), it is made and prepared on the claim
+        thread (``workers.runner.claim_ahead``) and this returns ``None`` until it is done
+        (then its lines and the limit it asked for)."""
         ahead = self.claim_ahead
         urgent = set(self._urgent)
         if ahead is None:
             return self._claim_and_prepare(at, limit, urgent), limit
-        done = ahead.take(wait=not self.held.running)
-        if done is not None or not self.held.running:
+        # Queued lines keep the engine busy while the claim goes on: wait only with none held.
+        waiting = not self.held
+        done = ahead.take(wait=waiting)
+        if done is not None or waiting:
             return done or (self._claim_and_prepare(at, limit, urgent), limit)
         if not ahead.busy:
             ahead.start(lambda: self._claim_and_prepare(at, limit, urgent), limit)
@@ -682,15 +696,16 @@ class Runner:
         ids = self.held.row_ids() + self.writer.row_ids()
         self.store.renew(self.owner, time.time() + self.settings.lease_seconds, ids)
 
-    def _flush(self, background: bool = False) -> None:
+    def _flush(self, background: bool = False, wait: bool = False) -> None:
         """Write results and accounting, renew leases, and stop the lines of batches that were
         cancelled or ran out of time. Keeps everything for the next try when the database is
-        unreachable. ``background``: start the write and act on the previous one's report."""
+        unreachable. ``background``: start the write and act on the previous one's report
+        (with ``wait``, after waiting for it: ``ResultWriter.write``)."""
         self._last_flush = self.clock.monotonic()
         at = self.clock.time()
         # The pending results are written before the leases are renewed: only held lines.
         report = self.writer.write(
-            at, self.held.row_ids(), self.held.batch_ids(), background=background
+            at, self.held.row_ids(), self.held.batch_ids(), background=background, wait=wait
         )
         if report is None:
             return

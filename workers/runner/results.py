@@ -24,14 +24,25 @@ def succeeded(
     row: ClaimedRequest, prepared: Prepared, result: EngineResult, created: int, at: float
 ) -> FinishedLine:
     """The record of an answered request; ``created`` (unix seconds) goes in its body."""
+    return _succeeded(row, prepared, result, created, at, _tokens(result))
+
+
+def _succeeded(
+    row: ClaimedRequest,
+    prepared: Prepared,
+    result: EngineResult,
+    created: int,
+    at: float,
+    tokens: TokenCounts,
+) -> FinishedLine:
     return FinishedLine(
-        id=row.id,
-        batch_id=row.batch_id,
-        status=LineStatus.SUCCEEDED,
-        finished_at=at,
-        status_code=200,
-        result=serving.answer_record(prepared, result, created),
-        tokens=_tokens(result),
+        row.id,
+        row.batch_id,
+        LineStatus.SUCCEEDED,
+        at,
+        200,
+        serving.answer_record(prepared, result, created),
+        tokens,
     )
 
 
@@ -67,8 +78,10 @@ class Answered:
         return self.row.batch_id
 
     def line(self) -> FinishedLine:
-        """The ``FinishedLine`` to store (``succeeded``)."""
-        return succeeded(self.row, self.prepared, self.result, self.created, self.finished_at)
+        """The ``FinishedLine`` to store (``succeeded``, with the token counts already made)."""
+        return _succeeded(
+            self.row, self.prepared, self.result, self.created, self.finished_at, self.tokens
+        )
 
 
 #: A finished line as the runner holds it until it is stored.

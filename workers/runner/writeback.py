@@ -90,6 +90,8 @@ class ResultWriter:
         self._executor: ThreadPoolExecutor | None = None
         #: The engine seconds and period start the write in flight took off.
         self._inflight_busy = (0.0, started_at)
+        #: Lines of ``pending`` the write in flight is storing (its first ones).
+        self._inflight_lines = 0
         #: When a write-back last renewed the held leases (unix seconds).
         self._renewed_at = -math.inf
 
@@ -101,6 +103,10 @@ class ResultWriter:
 
     def add(self, line: Finished) -> None:
         self.pending.append(line)
+
+    def unwritten(self) -> int:
+        """Pending lines that no write in flight is storing yet."""
+        return len(self.pending) - (self._inflight_lines if self._inflight is not None else 0)
 
     def row_ids(self) -> list[int]:
         """Ids of lines finished here and not written yet (still this worker's). Safe from
@@ -114,6 +120,7 @@ class ResultWriter:
         batch_ids: Collection[str],
         *,
         background: bool = False,
+        wait: bool = False,
     ) -> WriteBackReport | None:
         """Store the pending lines and their engine chunk, renew the leases of ``held_ids``
         (when due) and read the statuses of ``batch_ids``. Returns ``None`` when there was
@@ -122,12 +129,15 @@ class ResultWriter:
 
         ``background``: start the write on the writer's thread and return the report of the
         previous background write (``None`` if none finished since); if one is still in
-        flight, do nothing now. Otherwise (the default) wait for any write in flight, then
-        write here and return both reports merged. A write that renews the leases (when due)
+        flight, do nothing now, unless ``wait``: then wait for it, and start this one in the
+        background (lines answered faster than they are stored: the caller bounds what piles
+        up behind the write in flight without stopping its own work while the next is
+        stored). Otherwise (the default) wait for any write in flight, then write here and
+        return both reports merged. A write that renews the leases (when due)
         is never in the background: its report says at once which held lines another worker
         took over. Nor is a server-shared engine's (``share_server``): its share is computed
         from the server's counters at write time."""
-        earlier = self._collect(wait=not background)
+        earlier = self._collect(wait=wait or not background)
         if background and self._inflight is not None:
             return earlier
         if not self.pending and not batch_ids:
@@ -163,6 +173,7 @@ class ResultWriter:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="write-back")
             self._inflight = self._executor.submit(self._store, write, results, busy)
             self._inflight_busy = (busy if answered else 0.0, started)
+            self._inflight_lines = len(results)
             return earlier
         try:
             outcome = self._store(write, results, busy)

@@ -386,15 +386,24 @@ class BackgroundMonitor:
         self._new_reading = threading.Condition()
         #: ``read`` waits for a reading started after this (``refresh``).
         self._wanted_after = -math.inf
+        #: Set by ``refresh``: the thread takes its next reading now rather than after its
+        #: ``poll_seconds`` pause.
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     def refresh(self) -> None:
         """Make the next ``read`` wait (up to ``stale_after``) for a reading begun after now:
-        a new drain acts on the load as it is, not as the thread last saw it."""
+        a new drain acts on the load as it is, not as the thread last saw it. The thread takes
+        that reading at once: waiting for its next poll stalled every drain's start by up to
+        ``poll_seconds`` (a second by default) with the engine idle (``offpeak bench
+        control``)."""
         self._wanted_after = time.monotonic()
+        self._wake.set()
 
     def _run(self, first: threading.Event) -> None:
         while time.monotonic() - self._last_read < self.idle_after:
+            # Cleared before the reading: a ``refresh`` during it brings the next one at once.
+            self._wake.clear()
             started = time.monotonic()
             try:
                 reading = self.monitor.read(time.time())
@@ -405,7 +414,7 @@ class BackgroundMonitor:
                 self._latest = (started, reading)
                 self._new_reading.notify_all()
             first.set()
-            time.sleep(max(0.0, self.poll_seconds - (time.monotonic() - started)))
+            self._wake.wait(max(0.0, self.poll_seconds - (time.monotonic() - started)))
 
     def _ensure_running(self) -> None:
         with self._lock:
