@@ -24,8 +24,8 @@ demo: install
 
 # One process by default. `PYTEST_WORKERS=2 make test`: two pytest-xdist workers, the engine
 # test modules on one, one after another, the rest beside them (tests/conftest.py,
-# ENGINE_MODULES): 20:48 instead of 27:20 here, but test_crash's restart tests failed once in
-# three such runs (a control worker exited 0 mid-test; cause not found), so not yet the default.
+# ENGINE_MODULES): 20:48 instead of 24-27 minutes here, but test_crash's restart tests failed once
+# in four such runs (a control worker exited 0 mid-test; cause not found), so not yet the default.
 PYTEST_WORKERS ?= 0
 test: install
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope
