@@ -304,7 +304,7 @@ def test_an_embeddings_batch_runs_through_the_runner_and_finalize(stand_in_setti
 def test_the_runner_holds_no_more_for_ten_times_the_inputs(stand_in_settings: Any) -> None:
     """Streaming all the way: results go back every ``flush_seconds`` and claims are chunks,
     so the runner's peak of Python memory while draining 10,000 embeddings lines stays within
-    4 MiB of 1,000 lines' (measured: 3.2 and 3.1 MiB; holding every 384-dimension result until
+    4 MiB of 1,000 lines' (measured: 6.2 and 6.1 MiB; holding every 384-dimension result until
     the end would add ~2.7 KB per line, ~24 MB). Allocations are traced (``tracemalloc``); the
     model is a stand-in: the real engine's RSS is ``offpeak bench embeddings``'."""
     import tracemalloc
@@ -325,6 +325,43 @@ def test_the_runner_holds_no_more_for_ten_times_the_inputs(stand_in_settings: An
     print(f"traced peak while draining: 1,000 lines {peaks[0] / 2**20:.1f} MiB, "
           f"10,000 lines {peaks[1] / 2**20:.1f} MiB")  # fmt: skip
     assert peaks[1] < peaks[0] + 4 * 2**20
+
+
+def test_the_runner_holds_a_bounded_number_of_unstored_results_while_writes_lag(
+    stand_in_settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine that answers faster than the database stores: with every write-back slowed
+    by 50 ms, the finished lines held (the write in flight's included) never pass
+    ``MAX_PENDING_LINES`` plus one step's answers (``slots`` + the queue fed beside them).
+    The bound once counted only the lines not in flight, and twice as many piled up (1,344 of
+    5,000 here), so a 1,000-line drain held less than a 10,000-line one (CI, 2 December)."""
+    from workers.runner import Runner, loop
+    from workers.runner.writeback import ResultWriter
+    from workers.scheduler.store import DbStore
+
+    slow_write = DbStore.write_back
+
+    def write_back(self: DbStore, write: Any) -> Any:
+        time.sleep(0.05)
+        return slow_write(self, write)
+
+    held = [0]
+    add = ResultWriter.add
+
+    def counting_add(self: ResultWriter, line: Any) -> None:
+        add(self, line)
+        held[0] = max(held[0], len(self.pending))
+
+    monkeypatch.setattr(DbStore, "write_back", write_back)
+    monkeypatch.setattr(ResultWriter, "add", counting_add)
+    batch_id, _sdk = stand_in_batch(
+        stand_in_settings, [stand_in_line(f"e{i}", f"text {i}") for i in range(5_000)]
+    )
+    runner = Runner(stand_in_settings, PoolingStandIn(STAND_IN, 64), "w1", lambda _b: None)
+    assert runner.drain().requests == 5_000
+    one_step = runner.slots + max(8, runner.slots // 4)  # Runner._top_up's feed
+    assert 0 < held[0] <= loop.MAX_PENDING_LINES + one_step, (held[0], one_step)
+    finalize(stand_in_settings, batch_id)
 
 
 class _Started(Exception):

@@ -73,14 +73,15 @@ log = logging.getLogger(__name__)
 #: it must have stepped before that rate is trusted.
 RATE_SECONDS = 300.0
 RATE_TRUSTED_AFTER = 30.0
-#: Answered lines not yet stored, besides those of the write in flight, past which the
+#: Finished lines held and not yet stored, the write in flight's included, past which the
 #: write-back waits for the one in flight and then starts the next in the background rather
 #: than let them pile up: an engine that answers faster than the database stores (the instant
 #: engine, embeddings) would otherwise hold a growing backlog of records while the background
-#: write lags (``test_the_runner_holds_no_more_for_ten_times_the_inputs``). So at most about
-#: twice this (plus a step's answers) are held: the write in flight's and the next ones. A
-#: GPU's second of answers (hundreds of lines) mostly stays under it.
-MAX_UNWRITTEN_LINES = 512
+#: write lags. So at most this plus a step's answers are held, whatever the batch's size
+#: (``test_the_runner_holds_no_more_for_ten_times_the_inputs``; counting only the lines not in
+#: flight let twice this pile up, and a 1,000-line drain then held less than a 10,000-line
+#: one). A GPU's second of answers (hundreds of lines) mostly stays under it.
+MAX_PENDING_LINES = 512
 
 
 @dataclass
@@ -312,7 +313,7 @@ class Runner:
             if self.held.running:
                 self._step()
                 looked_again = False
-                backlog = self.writer.unwritten() >= MAX_UNWRITTEN_LINES
+                backlog = len(self.writer.pending) >= MAX_PENDING_LINES
                 if (
                     backlog
                     or self.clock.monotonic() - self._last_flush >= self.settings.flush_seconds

@@ -90,8 +90,6 @@ class ResultWriter:
         self._executor: ThreadPoolExecutor | None = None
         #: The engine seconds and period start the write in flight took off.
         self._inflight_busy = (0.0, started_at)
-        #: Lines of ``pending`` the write in flight is storing (its first ones).
-        self._inflight_lines = 0
         #: When a write-back last renewed the held leases (unix seconds).
         self._renewed_at = -math.inf
 
@@ -103,10 +101,6 @@ class ResultWriter:
 
     def add(self, line: Finished) -> None:
         self.pending.append(line)
-
-    def unwritten(self) -> int:
-        """Pending lines that no write in flight is storing yet."""
-        return len(self.pending) - (self._inflight_lines if self._inflight is not None else 0)
 
     def row_ids(self) -> list[int]:
         """Ids of lines finished here and not written yet (still this worker's). Safe from
@@ -173,7 +167,6 @@ class ResultWriter:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="write-back")
             self._inflight = self._executor.submit(self._store, write, results, busy)
             self._inflight_busy = (busy if answered else 0.0, started)
-            self._inflight_lines = len(results)
             return earlier
         try:
             outcome = self._store(write, results, busy)
