@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 from decimal import Decimal
+from typing import Any
 
 import psycopg
 import pytest
@@ -184,3 +185,38 @@ def test_a_nul_in_a_poll_statement_is_sqlalchemys_data_error(
     tenant_id, _ = _billed_batch(sdk, settings)
     with pytest.raises(DataError):
         read(url, batches_repo.poll_row, tenant_id, "batch_\x00")
+
+
+def test_poll_reads_run_on_the_event_loop_and_a_file_s_bytes_on_a_thread(
+    sdk: OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On PostgreSQL a poll's statements run on the event loop (``api.deps.Reader``: handing
+    them to a thread cost more than their round trip); content, which also reads the blob
+    store, runs on the reader's threads, so a slow store never holds the loop."""
+    import asyncio
+
+    from api import deps
+
+    on_loop: dict[str, list[bool]] = {}
+    plain_read = deps.read
+
+    def recorded(url: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+            running = True
+        except RuntimeError:
+            running = False
+        on_loop.setdefault(fn.__name__, []).append(running)
+        return plain_read(url, fn, *args, **kwargs)
+
+    monkeypatch.setattr(deps, "read", recorded)
+    file = sdk.files.create(file=("in.jsonl", io.BytesIO(LINE)), purpose="batch")
+    batch = sdk.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    sdk.batches.retrieve(batch.id)
+    sdk.batches.list(limit=5)
+    sdk.files.retrieve(file.id)
+    assert sdk.files.content(file.id).content == LINE
+    assert on_loop["poll"] == [True] and on_loop["page"] == [True]
+    assert on_loop["retrieve"] == [True] and on_loop["content"] == [False]

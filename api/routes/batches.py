@@ -1,9 +1,9 @@
 """``/v1/batches``.
 
 Retrieve and list are what users poll: ``async def`` routes with one dependency (``PollDep``:
-the tenant, the settings and the reader), whose reads run in one threadpool call and whose
-answers are written from plain dicts (``WireJSON``; the pydantic models document them). Create
-and cancel write, in the request's transaction (``SessionDep``).
+the tenant, the settings and the reader), whose reads run on the event loop (``api.deps.Reader``)
+and whose answers are written from plain dicts (``WireJSON``; the pydantic models document
+them). Create and cancel write, in the request's transaction (``SessionDep``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """``/v1/files``.
 
-Retrieve and content (the output a poll ends with) are ``async def`` routes whose reads run in
-one threadpool call (``PollDep``): retrieve's answer is written from a plain dict (``WireJSON``),
-and content reads a file of up to 1 MiB in that same call. The rest use the request's
-transaction (``SessionDep``).
+Retrieve and content (the output a poll ends with) are ``async def`` routes that read through
+the app's reader (``PollDep``): retrieve's one statement on the event loop (``api.deps.Reader``),
+its answer written from a plain dict (``WireJSON``); content's row and a file of up to 1 MiB in
+one call to the reader's threads (the blob store's reads are not the database's). The rest use
+the request's transaction (``SessionDep``).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ async def retrieve_file(poll: PollDep, file_id: str) -> WireJSON:
     },
 )
 async def file_content(poll: PollDep, blobs: BlobsDep, file_id: str) -> StreamingResponse:
-    head, rest = await poll.read(files_service.content, blobs, poll.tenant.id, file_id)
+    head, rest = await poll.read.in_thread(files_service.content, blobs, poll.tenant.id, file_id)
     return StreamingResponse(_stream(head, rest), media_type="application/octet-stream")
 
 
