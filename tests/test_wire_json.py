@@ -236,7 +236,8 @@ def test_content_reads_ahead_and_streams_the_rest(
     http: TestClient, sdk: OpenAI, settings: Settings, size: int
 ) -> None:
     """Content reads up to ``READ_AHEAD`` pieces with the file's row and streams the rest: every
-    size around the pieces' edges comes back whole."""
+    size around the pieces' edges comes back whole. A file read whole with its row is answered
+    in one response that states its length; a longer one is streamed."""
     data = (LINE * (size // len(LINE) + 1))[:size]
     file_id = _stored_file(settings, sdk, data)
     response = http.get(
@@ -256,6 +257,10 @@ def test_content_reads_ahead_and_streams_the_rest(
     assert streamed == data
     # All read with the row when its end came within READ_AHEAD reads (the last found nothing).
     assert (rest is None) == (size <= (files_service.READ_AHEAD - 1) * CHUNK_BYTES)
+    if rest is None:
+        assert response.headers["content-length"] == str(size)
+    else:  # streamed: its length is not known when the answer starts
+        assert "content-length" not in response.headers
 
 
 def _stored_file(settings: Settings, sdk: OpenAI, data: bytes) -> str:

@@ -106,8 +106,12 @@ async def retrieve_file(poll: PollDep, file_id: str) -> WireJSON:
         **error_responses(400, 401, 404),
     },
 )
-async def file_content(poll: PollDep, blobs: BlobsDep, file_id: str) -> StreamingResponse:
+async def file_content(poll: PollDep, blobs: BlobsDep, file_id: str) -> Response:
     head, rest = await poll.read.in_thread(files_service.content, blobs, poll.tenant.id, file_id)
+    if rest is None:
+        # All of it was read with the row (up to 1 MiB: most downloads that end a poll): one
+        # answer with its length, without a streaming response's task group per request.
+        return Response(b"".join(head), media_type="application/octet-stream")
     return StreamingResponse(_stream(head, rest), media_type="application/octet-stream")
 
 
