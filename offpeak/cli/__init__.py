@@ -143,6 +143,9 @@ def worker(
         from celery.signals import worker_ready
 
         from workers.engine import registry
+        from workers.runner.collector import tune_collector
+
+        tune_collector()  # the runner's lines would trigger full collections (see there)
 
         unknown = [m for m in settings.served_models if m not in settings.models]
         if unknown:

@@ -7,7 +7,9 @@
 - ``admission``: a claimed chunk prepared for the engine (the attempts cap, preparation, the
   order of a chunk);
 - ``writeback``: finished lines and engine seconds written back, lines handed back;
-- ``results``: a line's end as it is stored (``storage.repositories.requests.FinishedLine``).
+- ``results``: a line's end as it is stored (``storage.repositories.requests.FinishedLine``);
+- ``collector``: the engine worker's garbage-collector threshold (a line's objects outlive
+  CPython's default young generation).
 """
 
 from offpeak.ids import worker_id
