@@ -36,13 +36,13 @@ def _succeeded(
     tokens: TokenCounts,
 ) -> FinishedLine:
     return FinishedLine(
-        row.id,
-        row.batch_id,
-        LineStatus.SUCCEEDED,
-        at,
-        200,
-        serving.answer_record(prepared, result, created),
-        tokens,
+        id=row.id,
+        batch_id=row.batch_id,
+        status=LineStatus.SUCCEEDED,
+        finished_at=at,
+        status_code=200,
+        result=serving.answer_record(prepared, result, created),
+        tokens=tokens,
     )
 
 
