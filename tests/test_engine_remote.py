@@ -364,9 +364,17 @@ def test_an_aborted_request_stops_at_the_server(engine: RemoteEngine, server: Vl
     long = request(ids, max_tokens=1500)
     engine.add(long)
     deadline = time.monotonic() + 60
+    finished: list[Any] = []
     while server.gauge("vllm:num_requests_running") < 1:
-        assert time.monotonic() < deadline, "the request never ran"
-        engine.step()
+        # What the engine held says where the request stopped (failed twice in suite runs on 2
+        # December, never alone; cause not found yet).
+        assert time.monotonic() < deadline, (
+            "the request never ran",
+            engine.in_flight_ids(),
+            engine.num_unfinished(),
+            finished,
+        )
+        finished += engine.step()
     time.sleep(1.0)
     engine.abort([long.request_id])
     assert engine.num_unfinished() == 0
