@@ -462,6 +462,45 @@ def test_the_drain_task_rebuilds_a_failed_engine(
     assert exits and exits[0] == tasks.EXIT_ENGINE_BROKEN
 
 
+def test_the_engine_worker_builds_its_runners_before_it_takes_work(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``start_runners`` (the engine worker's start) loads each served model's engine and
+    builds its runner once; the drains then use them, loading and looking up nothing."""
+    from workers import tasks
+    from workers.engine import registry
+
+    loads: list[str] = []
+    lookups: list[str] = []
+
+    def load(_settings: Settings, name: str) -> DyingEngine:
+        loads.append(name)
+        engine = DyingEngine(lambda _step, _queued: False)
+        registry._engines[name] = engine
+        return engine
+
+    def device_name() -> str:
+        lookups.append("cpu")
+        return "cpu"
+
+    tenant, _ = tenant_sdk
+    served = settings.model_copy(update={"worker_models": MODEL})
+    monkeypatch.setattr(tasks, "get_settings", lambda: served)
+    monkeypatch.setattr(registry, "load", load)
+    monkeypatch.setattr(registry, "device_name", device_name)
+    monkeypatch.setattr(tasks.task_messages, "send_drain", lambda _s, _model: None)
+    monkeypatch.setattr(tasks.task_messages, "send_finalize", lambda _s, _b, **_k: None)
+    monkeypatch.setattr(tasks, "_runners", {})
+    tasks.start_runners(served)
+    assert loads == [MODEL] and lookups == ["cpu"] and list(tasks._runners) == [MODEL]
+    runner = tasks._runners[MODEL]
+    batch_id = make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(5)])
+    tasks.drain_model(MODEL)
+    assert loads == [MODEL] and lookups == ["cpu"], "the drain built nothing again"
+    assert tasks._runners[MODEL] is runner
+    assert {r.status for r in rows(settings, batch_id)} == {"succeeded"}
+
+
 def test_release_and_claim_count_attempts_of_crashes_only(
     settings: Settings, tenant_sdk: tuple[str, OpenAI]
 ) -> None:

@@ -374,6 +374,31 @@ def test_batch_object_shows_slack_and_estimated_completion(
     assert getattr(done, "slack_seconds", None) is None  # only running batches have one
 
 
+def test_an_estimate_skips_a_batch_whose_row_another_transaction_holds(
+    settings: Settings, model: str, tenant: tuple[str, OpenAI]
+) -> None:
+    """The runner's loop saves estimates: it must not wait for a finalize or a write-back
+    holding the batch's row; the next refresh stores the estimate instead."""
+    name, _sdk = tenant
+    batch_id = make_batch(settings, name, [chat(model, "r0", "Hi", 10)])
+    url = settings.resolved_database_url
+    holder = session_scope(url)
+    session = holder.__enter__()
+    try:
+        session.execute(select(Batch.id).where(Batch.id == batch_id).with_for_update())
+        writer = threading.Thread(target=DbStore(url).save_estimates, args=({batch_id: 123.0},))
+        writer.start()
+        writer.join(timeout=10)
+        assert not writer.is_alive(), "the estimate waited for the lock on the batch's row"
+    finally:
+        holder.__exit__(None, None, None)
+    with session_scope(url) as check:
+        assert check.get(Batch, batch_id).estimated_completion_at is None  # type: ignore[union-attr]
+    DbStore(url).save_estimates({batch_id: 456.0})
+    with session_scope(url) as check:
+        assert check.get(Batch, batch_id).estimated_completion_at == 456.0  # type: ignore[union-attr]
+
+
 def test_lines_of_an_expired_batch_are_not_claimed(
     settings: Settings, model: str, tenant: tuple[str, OpenAI]
 ) -> None:

@@ -52,6 +52,14 @@ def runner_for(settings: Settings, model: str) -> Runner:
     return _runners[model]
 
 
+def start_runners(settings: Settings) -> None:
+    """Load each served model's engine and build its runner before the worker takes work
+    (``offpeak worker --role engine``), so the first drain starts at once: building a runner
+    looks up the device, which imports torch (about a second) where no engine has yet."""
+    for model in settings.served_models:
+        runner_for(settings, model)
+
+
 def _load(settings: Settings, model: str) -> Engine:
     """The registry's engine of ``model``, releasable while the gate is closed where its pool
     says so (``workers.engine.release``)."""

@@ -142,7 +142,6 @@ def worker(
     elif role == "engine":
         from celery.signals import worker_ready
 
-        from workers.engine import registry
         from workers.runner.collector import tune_collector
 
         tune_collector()  # the runner's lines would trigger full collections (see there)
@@ -150,8 +149,9 @@ def worker(
         unknown = [m for m in settings.served_models if m not in settings.models]
         if unknown:
             raise typer.BadParameter(f"not configured: {', '.join(unknown)}", param_hint="--models")
-        for name in settings.served_models:
-            registry.load(settings, name)
+        from workers import tasks
+
+        tasks.start_runners(settings)  # engines loaded, runners built: a drain starts at once
         from storage import task_messages
         from storage.db import session_scope
         from storage.repositories import workers as workers_repo
