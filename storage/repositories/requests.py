@@ -269,8 +269,9 @@ def write_results(session: Session, owner: str, results: Sequence[FinishedLine])
 
     PostgreSQL: one ``UPDATE … FROM unnest(arrays)`` whatever the number of rows, whose
     ``RETURNING`` (the rows actually written) advances the batches' counters in the same
-    transaction (``batches.add_counts``). Elsewhere: an ``executemany``; ``refresh_counts``
-    recounts.
+    transaction (``batches.add_counts``); the planner's nested loops stay off for the rest of
+    the caller's transaction (the write-back's, whose other statements join nothing).
+    Elsewhere: an ``executemany``; ``refresh_counts`` recounts.
     """
     if not results:
         return set()
@@ -360,12 +361,13 @@ def _write_results_unnest(
         # Never a nested loop: the planner's statistics see few rows "running" for this owner
         # (estimated 1), so it nests the unnest inside the requests scan and rescans the arrays
         # once per row: 465 ms for 512 results on 20,000 rows vs 17 ms hash-joined (issue 14).
-        # Off for this statement only; and never a prepared statement (a generic plan cannot see
-        # the arrays' length either).
+        # Off until the transaction ends: the write-back's other statements look rows up by
+        # key and join nothing, so setting it back would only cost a round trip (on the
+        # write-back's critical path, ``offpeak bench control``). Never a prepared statement (a
+        # generic plan cannot see the arrays' length either).
         cursor.execute("SET LOCAL enable_nestloop = off")
         cursor.execute(_WRITE_RESULTS, (*columns, owner), prepare=False)
         written = cursor.fetchall()
-        cursor.execute("SET LOCAL enable_nestloop = on")
     deltas: dict[str, CountsDelta] = {}
     for _, batch_id, status, prompt, cached, completion in written:
         delta = deltas.setdefault(batch_id, CountsDelta())
