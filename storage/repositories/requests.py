@@ -357,15 +357,18 @@ def _write_results_unnest(
         [r.finished_at for r in results],
     )
     raw = _driver_connection(session)
-    with raw.cursor() as cursor:
+    # One round trip for the transaction's BEGIN, the setting and the update (psycopg's
+    # pipeline mode): each round trip on the write-back's thread also waits for the GIL behind
+    # the claim thread and the loop, and the write-back is the runner's pace when the engine
+    # answers at once (``offpeak bench control``).
+    with raw.pipeline(), raw.cursor() as cursor:
         # Never a nested loop: the planner's statistics see few rows "running" for this owner
         # (estimated 1), so it nests the unnest inside the requests scan and rescans the arrays
         # once per row: 465 ms for 512 results on 20,000 rows vs 17 ms hash-joined (issue 14).
         # Off until the transaction ends: the write-back's other statements look rows up by
-        # key and join nothing, so setting it back would only cost a round trip (on the
-        # write-back's critical path, ``offpeak bench control``). Never a prepared statement (a
-        # generic plan cannot see the arrays' length either).
-        cursor.execute("SET LOCAL enable_nestloop = off")
+        # key and join nothing, so setting it back would only cost a round trip. Never a
+        # prepared statement (a generic plan cannot see the arrays' length either).
+        raw.execute("SET LOCAL enable_nestloop = off")
         cursor.execute(_WRITE_RESULTS, (*columns, owner), prepare=False)
         written = cursor.fetchall()
     deltas: dict[str, CountsDelta] = {}
