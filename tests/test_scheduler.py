@@ -382,16 +382,12 @@ def test_an_estimate_skips_a_batch_whose_row_another_transaction_holds(
     name, _sdk = tenant
     batch_id = make_batch(settings, name, [chat(model, "r0", "Hi", 10)])
     url = settings.resolved_database_url
-    holder = session_scope(url)
-    session = holder.__enter__()
-    try:
-        session.execute(select(Batch.id).where(Batch.id == batch_id).with_for_update())
+    with session_scope(url) as holder:  # holds the batch's row until the block ends
+        holder.execute(select(Batch.id).where(Batch.id == batch_id).with_for_update())
         writer = threading.Thread(target=DbStore(url).save_estimates, args=({batch_id: 123.0},))
         writer.start()
         writer.join(timeout=10)
         assert not writer.is_alive(), "the estimate waited for the lock on the batch's row"
-    finally:
-        holder.__exit__(None, None, None)
     with session_scope(url) as check:
         assert check.get(Batch, batch_id).estimated_completion_at is None  # type: ignore[union-attr]
     DbStore(url).save_estimates({batch_id: 456.0})
