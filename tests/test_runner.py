@@ -233,6 +233,54 @@ def test_lease_takeover_runs_each_line_once(
     assert set(attempts) == {2}
 
 
+def test_a_write_back_the_database_refuses_is_raised_and_changes_nothing(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI]
+) -> None:
+    """The write-back's results go in one pipeline with the transaction's start: a result the
+    database refuses (a NUL character) still raises the driver's ``DataError``, a statement's
+    fault rather than an outage, nothing of that write is stored, and the pooled connection
+    serves the next write, which stores every line once."""
+    import psycopg
+
+    from offpeak.endpoints.errors import LineError
+    from storage.errors import is_transient
+    from storage.models import Batch
+    from workers.runner import results
+
+    tenant, sdk = tenant_sdk
+    ids = [f"r{i}" for i in range(5)]
+    batch_id = make(settings, tenant, [line(i, model=MODEL) for i in ids])
+    url = settings.resolved_database_url
+    with session_scope(url) as session:
+        held = requests_repo.claim(
+            session, model=MODEL, limit=10, owner="w", lease_until=time.time() + 60, at=time.time()
+        )
+    assert len(held) == 5
+    refused = [FinishedLine(r.id, r.batch_id, "failed", time.time(), 400, "x\x00y") for r in held]
+    with pytest.raises(psycopg.DataError) as caught, session_scope(url) as session:
+        requests_repo.write_results(session, "w", refused)
+    assert not is_transient(caught.value)
+    with session_scope(url) as session:
+        statuses = session.scalars(
+            select(RequestLine.status).where(RequestLine.batch_id == batch_id)
+        ).all()
+        batch = session.get(Batch, batch_id)
+        assert batch is not None and (batch.completed, batch.failed) == (0, 0)
+    assert sorted(statuses) == ["running"] * 5
+    with session_scope(url) as session:
+        error = LineError("refused by the test", code="test_refusal")
+        written = requests_repo.write_results(
+            session, "w", [results.failed(r, error, time.time()) for r in held]
+        )
+    assert written == {r.id for r in held}
+    with session_scope(url) as session:
+        batch = session.get(Batch, batch_id)
+        assert batch is not None and (batch.completed, batch.failed) == (0, 5)
+    finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    _output, errors = check_ran_batch(sdk, sdk.batches.retrieve(batch_id), ids)
+    assert sorted(e["custom_id"] for e in errors) == ids
+
+
 def test_concurrent_claims_are_disjoint(settings: Settings, tenant_sdk: tuple[str, OpenAI]) -> None:
     tenant, _ = tenant_sdk
     make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(300)])
