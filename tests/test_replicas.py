@@ -5,6 +5,7 @@ the arithmetic (``workers.scheduler.slack.replicas_needed``), and the series on 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -15,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 
 from api.app import create_app
-from offpeak.settings import ModelConfig, SchedulerSettings, Settings
+from offpeak.settings import CPU_MAX_NUM_SEQS, ModelConfig, SchedulerSettings, Settings
 from storage.db import session_scope
 from storage.models import Batch
 from storage.repositories.scheduler import BatchBacklog
@@ -106,3 +107,25 @@ def test_replicas_needed_on_the_api_metrics_after_a_sweep(
     found = replicas_on_metrics(settings)
     assert found[model] == expected
     assert found[idle] == 0.0
+
+
+def test_a_model_left_at_the_default_sequence_limit_is_swept_at_its_devices_default(
+    settings: Settings, model: str, tenant: tuple[str, OpenAI], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``max_num_seqs`` unset (the default) is the device's default, 128 on a CPU (no engine
+    chunk yet: the device is taken to be ``cpu``); the sweep failed on every such model
+    (``max(1, None)``) and published nothing. 200 lines of 2,000 tokens due in 60 s would want
+    4 engines of 128 sequences (2,092 tokens/s each at the seed's step model); 2 can share
+    them."""
+    assert ModelConfig(engine="instant").max_num_seqs is None
+    settings = with_policy(
+        settings, expected_completion_tokens=2000, replica_startup_seconds=0.0
+    ).model_copy(
+        update={"models": {model: ModelConfig(engine="instant")}, "metrics_cache_seconds": 0.0}
+    )
+    name, _sdk = tenant
+    make_batch(settings, name, [chat(model, f"r{i}", "Hi", 10) for i in range(200)], "60s")
+    with caplog.at_level(logging.ERROR, logger="workers.scheduler.slack"):
+        sweep_estimates(settings, [model], time.time())
+    assert caplog.records == []
+    assert replicas_on_metrics(settings)[model] == math.ceil(200 / CPU_MAX_NUM_SEQS) == 2

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from offpeak.settings import SchedulerSettings, Settings, window_seconds
+from offpeak.settings import GPU_MAX_NUM_SEQS, SchedulerSettings, Settings, window_seconds
 from storage.repositories.scheduler import BatchBacklog, EngineHistory
 from workers.planner import StepModel
 from workers.scheduler.store import DbStore, WorkStore
@@ -292,7 +292,10 @@ def sweep_estimates(settings: Settings, models: Iterable[str], at: float) -> Non
         try:
             since = at - settings.scheduler.throughput_window_seconds
             device = store.engine_history(model, since).device or "cpu"
-            slots = settings.models[model].max_num_seqs if model in settings.models else 256
+            # The model's engine's sequence limit: its setting, else the device's default
+            # (unset is the default, and ``max(1, None)`` failed every sweep of such a model).
+            config = settings.models.get(model)
+            slots = config.max_num_seqs_on(device == "cpu") if config else GPU_MAX_NUM_SEQS
             plan = refresh_plan(
                 store, settings, model, at, calibrated(settings, model, device), slots
             )
