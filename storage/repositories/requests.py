@@ -146,7 +146,8 @@ def claim(
     index in deadline order; and an integer bound on the bigint ``deadline`` (a float one made
     PostgreSQL cast every row's deadline). The running batches are read first and passed as a
     list: joined as a subquery, the planner sorted every pending row of the model instead of
-    walking the index (EXPLAIN on 30,000 pending rows: 19 ms vs 0.5 ms per claim). Issue 14
+    walking the index (EXPLAIN on 30,000 pending rows: 19 ms vs 0.5 ms per claim); and sorts
+    are off for the claim's transaction, so stale statistics cannot choose a sort either. Issue 14
     measured the old query at 35% of an engine worker's time. Rows with a lapsed lease come
     first (few running rows to scan: what workers hold), then pending rows in deadline order."""
     running = set(session.scalars(select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS)))
@@ -155,6 +156,13 @@ def claim(
     if not running:
         return []
     batch_ids = sorted(running)
+    if is_postgres(session):
+        # Only the ordered walk of ``ix_requests_claim``: with statistics from before a large
+        # batch was copied in (autovacuum not yet come by), PostgreSQL took the batch's
+        # rows as few, read them all by another index and sorted them on every claim (35-60 ms
+        # per claim of 50,000 lines, against a few on the walk; ``offpeak bench control``).
+        # For this transaction only: a plan with a sort is then the last resort.
+        session.connection().exec_driver_sql("SET LOCAL enable_sort = off")
     # deadline is whole seconds: deadline > at  <=>  deadline > floor(at), an integer bound.
     after = math.floor(at)
     # Lapsed rows first: they already waited out a lease, and there are few running rows to
