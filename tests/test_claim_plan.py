@@ -6,9 +6,9 @@ pending rows: each must be an index scan of ``ix_requests_claim`` with no sort (
 pending row of the batch or model was read and ordered to return a few hundred). Twice: with the
 table analyzed after the rows went in, and with statistics from before them (``stale``: a large
 batch just copied in, autovacuum not yet come by), where PostgreSQL read a batch's every pending
-row by another index and sorted them on each claim (``offpeak bench control``, 2 December). The claim's answers are checked too:
-lapsed leases first, then pending rows in deadline order, rows of batches that are not running
-left alone.
+row by another index and sorted them on each claim (``offpeak bench control``, 2 December).
+The claim's answers are checked too: lapsed leases first, then pending rows in deadline order,
+rows of batches that are not running left alone.
 """
 
 from __future__ import annotations
