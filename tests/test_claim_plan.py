@@ -42,6 +42,23 @@ def _batch(session: Any, batch_id: str, status: str) -> None:
     )
 
 
+def _row(batch_id: str, line: int, deadline: int) -> dict[str, Any]:
+    """A pending request row of model ``m``, as the fixture inserts them."""
+    return {
+        "batch_id": batch_id,
+        "line": line,
+        "custom_id": f"r{line}",
+        "model": "m",
+        "deadline": deadline,
+        "line_json": "{}",
+        "status": LineStatus.PENDING,
+        "attempts": 0,
+        "prompt_tokens": 0,
+        "cached_tokens": 0,
+        "completion_tokens": 0,
+    }
+
+
 @pytest.fixture(scope="module", params=["analyzed", "stale"])
 def url(request: pytest.FixtureRequest) -> Iterator[str]:
     stale = request.param == "stale"
@@ -57,19 +74,7 @@ def url(request: pytest.FixtureRequest) -> Iterator[str]:
                 session.execute(
                     RequestLine.__table__.insert(),
                     [
-                        {
-                            "batch_id": "batch_old",
-                            "line": i,
-                            "custom_id": f"o{i}",
-                            "model": "m",
-                            "deadline": now - 86_400,
-                            "line_json": "{}",
-                            "status": LineStatus.SUCCEEDED,
-                            "attempts": 1,
-                            "prompt_tokens": 0,
-                            "cached_tokens": 0,
-                            "completion_tokens": 0,
-                        }
+                        _row("batch_old", i, now - 86_400) | {"status": LineStatus.SUCCEEDED}
                         for i in range(200)
                     ],
                 )
@@ -77,23 +82,8 @@ def url(request: pytest.FixtureRequest) -> Iterator[str]:
                 session.execute(text("ANALYZE batches"))
             _batch(session, "batch_run", BatchStatus.IN_PROGRESS)
             _batch(session, "batch_gone", BatchStatus.CANCELLING)
-            rows = [
-                {
-                    "batch_id": "batch_run",
-                    "line": i,
-                    "custom_id": f"r{i}",
-                    "model": "m",
-                    # Later lines are due sooner: deadline order is not id order.
-                    "deadline": now + 86_400 - i // 1000,
-                    "line_json": "{}",
-                    "status": LineStatus.PENDING,
-                    "attempts": 0,
-                    "prompt_tokens": 0,
-                    "cached_tokens": 0,
-                    "completion_tokens": 0,
-                }
-                for i in range(PENDING)
-            ]
+            # Later lines are due sooner: deadline order is not id order.
+            rows = [_row("batch_run", i, now + 86_400 - i // 1000) for i in range(PENDING)]
             rows += [
                 r | {"batch_id": "batch_gone", "line": r["line"], "deadline": now + 10}
                 for r in rows[:100]
