@@ -14,6 +14,7 @@ from functools import lru_cache
 from typing import Any, TypeVar
 
 import orjson
+import psycopg
 from sqlalchemy import (
     JSON,
     Connection,
@@ -207,6 +208,14 @@ class PollQuery:
 
 def is_postgres(session: Session) -> bool:
     return session.get_bind().dialect.name == "postgresql"
+
+
+def driver_connection(session: Session) -> psycopg.Connection[Any]:
+    """The psycopg connection under the session's transaction (for ``COPY``, binary parameters
+    and pipelines, which SQLAlchemy does not expose). PostgreSQL only."""
+    raw = session.connection().connection.driver_connection
+    assert isinstance(raw, psycopg.Connection)
+    return raw
 
 
 def after_commit(session: Session, callback: Callable[[], None], what: str = "") -> None:

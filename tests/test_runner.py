@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from unittest.mock import ANY
 
 import pytest
 from openai import OpenAI
@@ -279,6 +280,100 @@ def test_a_write_back_the_database_refuses_is_raised_and_changes_nothing(
     finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
     _output, errors = check_ran_batch(sdk, sdk.batches.retrieve(batch_id), ids)
     assert sorted(e["custom_id"] for e in errors) == ids
+
+
+@pytest.mark.parametrize("path", ["pipeline", "stepwise"])
+def test_a_write_back_stores_only_held_lines_bills_answered_ones_and_reports_lost_leases(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI], path: str
+) -> None:
+    """``write_back.store`` on PostgreSQL (one pipeline: the results, counters and engine chunk
+    in one statement) and one statement at a time (SQLite's path, run here on the same
+    database) store the same: only the lines the worker still holds, each batch's counters by
+    the lines written, an engine chunk of the answered lines written (none when none was),
+    the held leases renewed, the lost ones reported, the heartbeat and the statuses."""
+    from storage.models import Batch, WorkerRecord
+    from storage.repositories import workers as workers_repo
+    from storage.repositories import write_back
+    from storage.repositories.engine_chunks import EnginePeriod
+    from storage.repositories.requests import TokenCounts
+
+    store = write_back.store if path == "pipeline" else write_back._store_stepwise
+    owner = f"w-{path}"
+    tenant, _ = tenant_sdk
+    a = make(settings, tenant, [line(f"a{i}", model=MODEL) for i in range(4)])
+    b = make(settings, tenant, [line(f"b{i}", model=MODEL) for i in range(2)])
+    url = settings.resolved_database_url
+    now = time.time()
+    with session_scope(url) as session:
+        workers_repo.register(session, owner, "host", [MODEL])
+        claimed = requests_repo.claim(
+            session, model=MODEL, limit=10, owner=owner, lease_until=now + 60, at=now,
+            batch_ids=[a, b],
+        )  # fmt: skip
+        rows = {r.custom_id: r for r in claimed}
+        assert len(rows) == 6
+        # Another worker took a3 over (its lease ran out while the owner was away).
+        session.execute(
+            RequestLine.__table__.update()
+            .where(RequestLine.id == rows["a3"].id)
+            .values(lease_owner="other")
+        )
+
+    def done(custom_id: str, tokens: TokenCounts, status: str = "succeeded") -> FinishedLine:
+        row = rows[custom_id]
+        code = 200 if status == "succeeded" else 400
+        return FinishedLine(row.id, row.batch_id, status, now, code, "{}", tokens)
+
+    results = [
+        done("a0", TokenCounts(10, 4, 3)),
+        done("a1", TokenCounts(20, 0, 5)),
+        done("a2", TokenCounts(6, 0, 0), status="failed"),
+        done("a3", TokenCounts(50, 0, 50)),  # not the owner's: neither stored nor billed
+        done("b0", TokenCounts(7, 1, 2)),
+    ]
+    period = EnginePeriod(owner, MODEL, "cpu", now - 2.5, now + 1, 2.5)
+    with session_scope(url) as session:
+        stored = store(
+            session, results, period, lease_until=now + 600,
+            held_ids=[rows["b1"].id, rows["a3"].id], batch_ids={a, b},
+        )  # fmt: skip
+    assert stored.written == {rows[c].id for c in ("a0", "a1", "a2", "b0")}
+    assert stored.held == {rows["b1"].id}
+    assert stored.statuses == {a: ("in_progress", ANY), b: ("in_progress", ANY)}
+    with session_scope(url) as session:
+        counters = {
+            batch.id: (batch.completed, batch.failed, batch.input_tokens, batch.cached_tokens,
+                       batch.output_tokens)
+            for batch in session.scalars(select(Batch).where(Batch.id.in_([a, b])))
+        }  # fmt: skip
+        chunks = session.scalars(select(EngineChunk).where(EngineChunk.worker_id == owner)).all()
+        shares = {
+            share.batch_id: (share.requests, share.prompt_tokens, share.cached_tokens,
+                             share.completion_tokens)
+            for share in session.scalars(select(EngineChunkBatch))
+            if share.batch_id in (a, b)
+        }  # fmt: skip
+        b1 = session.get(RequestLine, rows["b1"].id)
+        worker = session.get(WorkerRecord, owner)
+        assert b1 is not None and b1.lease_expires_at == pytest.approx(now + 600, abs=1e-3)
+        assert worker is not None and worker.heartbeat_at == pytest.approx(now + 1, abs=1e-3)
+    assert counters == {a: (2, 1, 36, 4, 8), b: (1, 0, 7, 1, 2)}
+    assert [(c.requests, c.prompt_tokens, c.cached_tokens, c.completion_tokens,
+             c.busy_seconds, c.started_at) for c in chunks] == [
+        (3, 37, 5, 10, 2.5, pytest.approx(now - 2.5, abs=1e-3))
+    ]  # fmt: skip
+    assert shares == {a: (2, 30, 4, 8), b: (1, 7, 1, 2)}
+    # A write-back of failed lines alone records no engine chunk (they used no engine time).
+    with session_scope(url) as session:
+        store(
+            session, [done("b1", TokenCounts(), status="failed")], period,
+            lease_until=now + 600, held_ids=[], batch_ids=set(),
+        )  # fmt: skip
+    with session_scope(url) as session:
+        chunks = session.scalars(select(EngineChunk).where(EngineChunk.worker_id == owner)).all()
+        assert len(chunks) == 1
+        batch = session.get(Batch, b)
+        assert batch is not None and (batch.completed, batch.failed) == (1, 1)
 
 
 def test_concurrent_claims_are_disjoint(settings: Settings, tenant_sdk: tuple[str, OpenAI]) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Select, bindparam, event, func, select, update
@@ -162,64 +161,54 @@ def statuses(session: Session, batch_ids: Iterable[str]) -> dict[str, tuple[str,
     return {batch_id: (status, expires_at) for batch_id, status, expires_at in rows}
 
 
-@dataclass
-class CountsDelta:
-    """Finished request lines to add to one batch's ``request_counts`` and ``usage``."""
-
-    completed: int = 0
-    failed: int = 0
-    input_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-
-
 #: ``session.info`` key: batches whose counters this transaction already brought up to date.
 _COUNTS_CURRENT = "offpeak.counts_current"
 
+#: The batches' counters advanced by the rows a ``requests`` statement just wrote, as a
+#: data-modifying CTE over that statement's ``written`` (``batch_id``, ``status`` and the
+#: three token counts of each row it moved from ``running`` to a final status): one statement
+#: with the results' ``UPDATE``, so no round trip of its own (``requests.RESULTS_CTES``). Each
+#: line is added once: ``written`` holds only rows that statement moved out of ``running``.
+#: ``sums`` (per batch: ``completed``, ``failed``, the token sums, and ``answered_*``: those of
+#: the succeeded lines alone) is also what ``engine_chunks.CHUNK_CTES`` reads.
+COUNTERS_CTES = """
+    sums AS (
+        SELECT batch_id,
+            count(*) FILTER (WHERE status = 'succeeded') AS completed,
+            count(*) FILTER (WHERE status <> 'succeeded') AS failed,
+            sum(prompt_tokens) AS prompt_tokens, sum(cached_tokens) AS cached_tokens,
+            sum(completion_tokens) AS completion_tokens,
+            sum(prompt_tokens) FILTER (WHERE status = 'succeeded') AS answered_prompt,
+            sum(cached_tokens) FILTER (WHERE status = 'succeeded') AS answered_cached,
+            sum(completion_tokens) FILTER (WHERE status = 'succeeded') AS answered_completion
+        FROM written GROUP BY batch_id
+    ),
+    counters AS (
+        UPDATE batches AS b
+        SET completed = b.completed + s.completed, failed = b.failed + s.failed,
+            input_tokens = b.input_tokens + s.prompt_tokens,
+            cached_tokens = b.cached_tokens + s.cached_tokens,
+            output_tokens = b.output_tokens + s.completion_tokens
+        FROM sums AS s WHERE b.id = s.batch_id
+    )"""
 
-def add_counts(session: Session, deltas: dict[str, CountsDelta]) -> None:
-    """Add finished lines to their batches' counters (one ``executemany``), and note that those
-    batches are current for the rest of the transaction, so ``refresh_counts`` need not read
-    their rows again.
 
-    The caller guarantees each line is added once: the lines ``requests.write_results`` just moved
-    from ``running`` to a final status (its ``RETURNING``), in the same transaction.
-    """
-    if not deltas:
-        return
-    session.connection().execute(
-        update(Batch)
-        .where(Batch.id == bindparam("batch_id"))
-        .values(
-            completed=Batch.completed + bindparam("d_completed"),
-            failed=Batch.failed + bindparam("d_failed"),
-            input_tokens=Batch.input_tokens + bindparam("d_input"),
-            cached_tokens=Batch.cached_tokens + bindparam("d_cached"),
-            output_tokens=Batch.output_tokens + bindparam("d_output"),
-        ),
-        [
-            {
-                "batch_id": batch_id,
-                "d_completed": d.completed,
-                "d_failed": d.failed,
-                "d_input": d.input_tokens,
-                "d_cached": d.cached_tokens,
-                "d_output": d.output_tokens,
-            }
-            for batch_id, d in deltas.items()
-        ],
-    )
-    session.info.setdefault(_COUNTS_CURRENT, set()).update(deltas)
+def counts_current(session: Session, batch_ids: Iterable[str]) -> None:
+    """Note that ``batch_ids``' counters are up to date for the rest of the transaction (a
+    ``COUNTERS_CTES`` statement advanced them), so ``refresh_counts`` need not read their rows
+    again."""
+    session.info.setdefault(_COUNTS_CURRENT, set()).update(batch_ids)
 
 
 def refresh_counts(session: Session, batch_ids: Iterable[str]) -> None:
     """Recompute ``request_counts`` and ``usage`` from the request rows, so the numbers a
     client polls always match the rows (and so the files written from them).
 
-    Batches whose counters ``add_counts`` already advanced in this transaction are skipped: they
-    were exact when it began (every earlier transaction ended with exact counters) and only
-    ``add_counts`` changed them since, so recounting them would read every row of the batch again
-    for the same numbers (at 50,000 lines, tens of milliseconds per flush).
+    Batches whose counters a ``COUNTERS_CTES`` statement already advanced in this transaction
+    (``counts_current``) are skipped: they were exact when it began (every earlier transaction
+    ended with exact counters) and only that statement changed them since, so recounting them
+    would read every row of the batch again for the same numbers (at 50,000 lines, tens of
+    milliseconds per flush).
     """
     current = session.info.get(_COUNTS_CURRENT, set())
     ids = sorted(set(batch_ids) - current)

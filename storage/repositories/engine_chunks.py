@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import insert
 from sqlalchemy.orm import Session
@@ -34,6 +35,59 @@ def tokens_by_batch(lines: Iterable[FinishedLine]) -> dict[str, BatchTokens]:
             tokens.cached_tokens += line.tokens.cached
             tokens.completion_tokens += line.tokens.completion
     return per_batch
+
+
+@dataclass(frozen=True)
+class EnginePeriod:
+    """The engine time of one write-back: ``worker_id``'s engine of ``model`` on ``device``
+    stepped ``busy_seconds`` between ``started_at`` and ``ended_at`` (unix seconds)."""
+
+    worker_id: str
+    model: str
+    device: str
+    started_at: float
+    ended_at: float
+    busy_seconds: float
+
+
+#: The engine chunk of the lines a ``requests.RESULTS_CTES`` statement wrote, appended to its
+#: ``WITH`` list: one ``engine_chunks`` row when any of them succeeded (``tokens_by_batch``'s
+#: rule: failed and never-run lines used no engine time), and one ``engine_chunk_batches`` row
+#: per batch with succeeded lines, from ``batches.COUNTERS_CTES``' ``sums``. Only rows actually
+#: written count: a line another worker took over is billed (once) by that worker. The chunk's
+#: id is a scalar subquery, not a join: a join of two CTEs is a nested loop, which the
+#: write-back's transaction disables (``requests.NO_NESTED_LOOPS``), and the penalty it then
+#: carries in the cost estimate turned on the JIT compiler (400 ms a statement).
+#: Parameters: ``period_params``.
+CHUNK_CTES = """
+    chunk AS (
+        INSERT INTO engine_chunks (worker_id, model, device, started_at, ended_at, busy_seconds,
+            requests, prompt_tokens, cached_tokens, completion_tokens)
+        SELECT %(worker_id)s, %(model)s, %(device)s, %(started_at)s, %(ended_at)s,
+            %(busy_seconds)s, sum(completed), sum(answered_prompt), sum(answered_cached),
+            sum(answered_completion)
+        FROM sums WHERE completed > 0 HAVING count(*) > 0
+        RETURNING id
+    ),
+    chunk_batches AS (
+        INSERT INTO engine_chunk_batches (chunk_id, batch_id, requests, prompt_tokens,
+            cached_tokens, completion_tokens)
+        SELECT (SELECT id FROM chunk), batch_id, completed, answered_prompt, answered_cached,
+            answered_completion
+        FROM sums WHERE completed > 0
+    )"""
+
+
+def period_params(period: EnginePeriod) -> dict[str, Any]:
+    """``CHUNK_CTES``' parameters."""
+    return {
+        "worker_id": period.worker_id,
+        "model": period.model,
+        "device": period.device,
+        "started_at": period.started_at,
+        "ended_at": period.ended_at,
+        "busy_seconds": period.busy_seconds,
+    }
 
 
 def record(

@@ -14,15 +14,13 @@ from functools import cache
 from itertools import islice
 from typing import Any, cast
 
-import psycopg
 from sqlalchemy import CursorResult, any_, bindparam, func, insert, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from offpeak.statuses import BatchStatus, LineStatus
-from storage.db import is_postgres
+from storage.db import driver_connection, is_postgres
 from storage.models import Batch, RequestLine
 from storage.repositories import batches as batches_repo
-from storage.repositories.batches import CountsDelta
 
 #: Columns written at intake, in COPY order.
 INTAKE_COLUMNS = ("batch_id", "line", "custom_id", "model", "deadline", "line_json")
@@ -97,14 +95,6 @@ def _intake_values(row: tuple[str, int, str, str, int, str]) -> dict[str, Any]:
     return dict(zip(INTAKE_COLUMNS, row, strict=True)) | _INTAKE_DEFAULTS
 
 
-def _driver_connection(session: Session) -> psycopg.Connection[Any]:
-    """The psycopg connection under the session's transaction (for ``COPY`` and binary
-    parameters, which SQLAlchemy does not expose)."""
-    raw = session.connection().connection.driver_connection
-    assert isinstance(raw, psycopg.Connection)
-    return raw
-
-
 def _copy_rows(session: Session, rows: Iterable[tuple[str, int, str, str, int, str]]) -> int:
     connection = session.connection()
     lz4 = connection.execute(
@@ -114,7 +104,7 @@ def _copy_rows(session: Session, rows: Iterable[tuple[str, int, str, str, int, s
     ).scalar()
     if lz4:
         connection.execute(text("SET LOCAL default_toast_compression = lz4"))
-    raw = _driver_connection(session)
+    raw = driver_connection(session)
     columns = ", ".join((*INTAKE_COLUMNS, *_INTAKE_DEFAULTS))
     defaults = tuple(_INTAKE_DEFAULTS.values())
     count = 0
@@ -275,10 +265,10 @@ def write_results(session: Session, owner: str, results: Sequence[FinishedLine])
     written, so a worker whose lease was taken over cannot write a second result (nor, through
     the returned ids, bill its engine time for it).
 
-    PostgreSQL: one ``UPDATE … FROM unnest(arrays)`` whatever the number of rows, whose
-    ``RETURNING`` (the rows actually written) advances the batches' counters in the same
-    transaction (``batches.add_counts``); the planner's nested loops stay off for the rest of
-    the caller's transaction (the write-back's, whose other statements join nothing).
+    PostgreSQL: one statement whatever the number of rows (``RESULTS_CTES``): an ``UPDATE … FROM
+    unnest(arrays)`` whose rows actually written advance the batches' counters in the same
+    statement; the planner's nested loops stay off for the rest of the caller's transaction
+    (``NO_NESTED_LOOPS``).
     Elsewhere: an ``executemany``; ``refresh_counts`` recounts.
     """
     if not results:
@@ -333,64 +323,68 @@ def write_results(session: Session, owner: str, results: Sequence[FinishedLine])
     return held
 
 
-#: ``%b``: arrays travel in binary (psycopg escapes text arrays element by element in Python,
-#: 60x slower for a thousand results).
-_WRITE_RESULTS = """
-    UPDATE requests AS q
-    SET status = r.status, status_code = r.status_code, result = r.result,
-        prompt_tokens = r.prompt_tokens, cached_tokens = r.cached_tokens,
-        completion_tokens = r.completion_tokens, finished_at = r.finished_at,
-        lease_owner = NULL, lease_expires_at = NULL
-    FROM unnest(
-        %b::bigint[], %b::varchar[], %b::integer[], %b::text[], %b::integer[], %b::integer[],
-        %b::integer[], %b::double precision[]
-    ) AS r(id, status, status_code, result, prompt_tokens, cached_tokens, completion_tokens,
-           finished_at)
-    WHERE q.id = r.id AND q.lease_owner = %b AND q.status = 'running'
-    RETURNING q.id, q.batch_id, q.status, q.prompt_tokens, q.cached_tokens, q.completion_tokens
-"""
+#: The results' ``UPDATE`` (fenced on the lease: only rows ``%(owner)s`` still runs), the rows it
+#: moved in ``written``, then the batches' counters (``batches.COUNTERS_CTES``): the ``WITH``
+#: list of one statement, so the counters cost no round trip. ``%b``: the arrays travel in
+#: binary (psycopg escapes text arrays element by element in Python, 60x slower for a thousand
+#: results). Parameters: ``results_params``.
+RESULTS_CTES = f"""
+    written AS (
+        UPDATE requests AS q
+        SET status = r.status, status_code = r.status_code, result = r.result,
+            prompt_tokens = r.prompt_tokens, cached_tokens = r.cached_tokens,
+            completion_tokens = r.completion_tokens, finished_at = r.finished_at,
+            lease_owner = NULL, lease_expires_at = NULL
+        FROM unnest(
+            %(ids)b::bigint[], %(statuses)b::varchar[], %(status_codes)b::integer[],
+            %(results)b::text[], %(prompt_tokens)b::integer[], %(cached_tokens)b::integer[],
+            %(completion_tokens)b::integer[], %(finished_at)b::double precision[]
+        ) AS r(id, status, status_code, result, prompt_tokens, cached_tokens, completion_tokens,
+               finished_at)
+        WHERE q.id = r.id AND q.lease_owner = %(owner)s AND q.status = 'running'
+        RETURNING q.id, q.batch_id, q.status, q.prompt_tokens, q.cached_tokens,
+            q.completion_tokens
+    ),{batches_repo.COUNTERS_CTES}"""
+
+#: Never a nested loop for the results' join: the planner's statistics see few rows "running"
+#: for this owner (estimated 1), so it nests the unnest inside the requests scan and rescans the
+#: arrays once per row: 465 ms for 512 results on 20,000 rows vs 17 ms hash-joined (issue 14).
+#: ``SET LOCAL``: off until the transaction ends (the write-back's other statements look rows up
+#: by key and join nothing, so setting it back would only cost a round trip).
+NO_NESTED_LOOPS = "SET LOCAL enable_nestloop = off"
+
+
+def results_params(owner: str, results: Sequence[FinishedLine]) -> dict[str, Any]:
+    """``RESULTS_CTES``' parameters: ``results`` as columns, and their ``owner``."""
+    return {
+        "ids": [r.id for r in results],
+        "statuses": [r.status for r in results],
+        "status_codes": [r.status_code for r in results],
+        "results": [r.result for r in results],
+        "prompt_tokens": [r.tokens.prompt for r in results],
+        "cached_tokens": [r.tokens.cached for r in results],
+        "completion_tokens": [r.tokens.completion for r in results],
+        "finished_at": [r.finished_at for r in results],
+        "owner": owner,
+    }
 
 
 def _write_results_unnest(
     session: Session, owner: str, results: Sequence[FinishedLine]
 ) -> set[int]:
-    columns = (
-        [r.id for r in results],
-        [r.status for r in results],
-        [r.status_code for r in results],
-        [r.result for r in results],
-        [r.tokens.prompt for r in results],
-        [r.tokens.cached for r in results],
-        [r.tokens.completion for r in results],
-        [r.finished_at for r in results],
-    )
-    raw = _driver_connection(session)
-    # One round trip for the transaction's BEGIN, the setting and the update (psycopg's
-    # pipeline mode): each round trip on the write-back's thread also waits for the GIL behind
-    # the claim thread and the loop, and the write-back is the runner's pace when the engine
-    # answers at once (``offpeak bench control``).
+    raw = driver_connection(session)
+    # One round trip for the transaction's BEGIN, the setting and the statement (psycopg's
+    # pipeline mode). Never a prepared statement: a generic plan cannot see the arrays' length.
     with raw.pipeline(), raw.cursor() as cursor:
-        # Never a nested loop: the planner's statistics see few rows "running" for this owner
-        # (estimated 1), so it nests the unnest inside the requests scan and rescans the arrays
-        # once per row: 465 ms for 512 results on 20,000 rows vs 17 ms hash-joined (issue 14).
-        # Off until the transaction ends: the write-back's other statements look rows up by
-        # key and join nothing, so setting it back would only cost a round trip. Never a
-        # prepared statement (a generic plan cannot see the arrays' length either).
-        raw.execute("SET LOCAL enable_nestloop = off")
-        cursor.execute(_WRITE_RESULTS, (*columns, owner), prepare=False)
+        raw.execute(NO_NESTED_LOOPS)
+        cursor.execute(
+            f"WITH {RESULTS_CTES} SELECT id, batch_id FROM written",
+            results_params(owner, results),
+            prepare=False,
+        )
         written = cursor.fetchall()
-    deltas: dict[str, CountsDelta] = {}
-    for _, batch_id, status, prompt, cached, completion in written:
-        delta = deltas.setdefault(batch_id, CountsDelta())
-        if status == LineStatus.SUCCEEDED:
-            delta.completed += 1
-        else:
-            delta.failed += 1
-        delta.input_tokens += prompt
-        delta.cached_tokens += cached
-        delta.output_tokens += completion
-    batches_repo.add_counts(session, deltas)
-    return {row[0] for row in written}
+    batches_repo.counts_current(session, {batch_id for _, batch_id in written})
+    return {row_id for row_id, _ in written}
 
 
 def renew_leases(session: Session, owner: str, lease_until: float, ids: Collection[int]) -> int:
@@ -492,7 +486,7 @@ def iter_finished(
 def _iter_finished_pg(
     session: Session, batch_id: str, batch_size: int
 ) -> Iterator[tuple[str, str, str | None]]:
-    raw = _driver_connection(session)
+    raw = driver_connection(session)
     with raw.cursor(name="offpeak_iter_finished") as cursor:
         cursor.itersize = batch_size
         cursor.execute(

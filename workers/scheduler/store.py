@@ -15,10 +15,10 @@ from offpeak import scheduler_state
 from offpeak.scheduler_state import PauseState
 from storage.db import session_scope
 from storage.repositories import batches as batches_repo
-from storage.repositories import engine_chunks
 from storage.repositories import requests as requests_repo
 from storage.repositories import scheduler as scheduler_repo
-from storage.repositories.engine_chunks import BatchTokens
+from storage.repositories import write_back as write_back_repo
+from storage.repositories.engine_chunks import BatchTokens, EnginePeriod
 from storage.repositories.requests import ClaimedRequest, FinishedLine
 from storage.repositories.scheduler import BatchBacklog, EngineHistory
 
@@ -132,36 +132,28 @@ class DbStore:
             )
 
     def write_back(self, write: WriteBack) -> WriteBackReport:
+        # The engine time goes to the lines actually written: a line another worker took over
+        # is billed (once) by that worker, not here too (``write_back.store``).
+        period = EnginePeriod(
+            worker_id=write.owner,
+            model=write.model,
+            device=write.device,
+            started_at=write.started_at,
+            ended_at=write.at,
+            busy_seconds=write.busy_seconds,
+        )
         with session_scope(self.url) as session:
-            written = requests_repo.write_results(session, write.owner, write.results)
-            # The engine time goes to the lines actually written: a line another worker took
-            # over is billed (once) by that worker, not here too.
-            per_batch = engine_chunks.tokens_by_batch(r for r in write.results if r.id in written)
-            if per_batch:
-                engine_chunks.record(
-                    session,
-                    worker_id=write.owner,
-                    model=write.model,
-                    device=write.device,
-                    started_at=write.started_at,
-                    ended_at=write.at,
-                    busy_seconds=write.busy_seconds,
-                    per_batch=per_batch,
-                )
-            if write.results:
-                batches_repo.refresh_counts(session, {r.batch_id for r in write.results})
-            renewed = requests_repo.renew_leases(
-                session, write.owner, write.lease_until, write.held_ids
+            stored = write_back_repo.store(
+                session,
+                write.results,
+                period,
+                lease_until=write.lease_until,
+                held_ids=write.held_ids,
+                batch_ids=write.batch_ids,
             )
-            lost = (
-                scheduler_repo.not_held(session, write.owner, write.held_ids)
-                if renewed < len(write.held_ids)
-                else []
-            )
-            scheduler_repo.heartbeat(session, write.owner, write.at)
-            states = batches_repo.statuses(session, write.batch_ids)
         return WriteBackReport(
-            {b: (status, float(expires_at)) for b, (status, expires_at) in states.items()}, lost
+            {b: (status, float(expires_at)) for b, (status, expires_at) in stored.statuses.items()},
+            sorted(set(write.held_ids) - stored.held),
         )
 
     def release(
