@@ -178,8 +178,9 @@ class BatchObject(BaseModel):
     # the estimated completion time (unix seconds) and ``expires_at``; negative means late.
     slack_seconds: float | None = None
     estimated_completion_at: int | None = None
-    # Validation's cost estimate (``workers.estimate``), once validated: ``{prompt_tokens,
-    # max_completion_tokens, price_low, price_high, requests, invalid_requests}``, US dollars.
+    # The cost estimate (``workers.estimate.estimate_batch``), counted once the batch is in
+    # progress (``None`` until then): ``{prompt_tokens, max_completion_tokens, price_low,
+    # price_high, requests, invalid_requests}``, US dollars.
     estimate: BatchEstimate | None = None
 
     @classmethod

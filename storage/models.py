@@ -141,8 +141,9 @@ class Batch(Base):
     #: The scheduler's estimate (unix seconds) of when the batch's last line will finish, refreshed
     #: by the workers and the sweep; the API shows it and the slack ``expires_at`` minus it.
     estimated_completion_at: Mapped[float | None] = mapped_column(Float)
-    #: Validation's cost estimate (``workers.estimate.Estimate.as_json``): prompt tokens by the
-    #: model's tokenizer, the most completion tokens, the price range; ``None`` until validated.
+    #: The cost estimate (``workers.estimate.Estimate.as_json``): prompt tokens by the model's
+    #: tokenizer, the most completion tokens, the price range; ``None`` until counted, once the
+    #: batch is in progress (``workers.estimate.estimate_batch``).
     estimate: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     #: ``output_expires_after[seconds]`` of the create: the output and error files expire this
     #: long after they are written (``None``: ``Settings.output_file_expiry_days``).

@@ -34,6 +34,7 @@ from tests.accounting_helpers import AcctTenant as Tenant
 from tests.accounting_helpers import end
 from tests.helpers import line
 from workers.engine.instant import InstantEngine
+from workers.estimate import estimate_batch
 from workers.runner import Runner
 from workers.validation import run_validation
 
@@ -93,7 +94,10 @@ def drive(tenant: Tenant, action: Callable[[str], None]) -> threading.Thread:
 
 
 def validate(settings: Settings, batch_id: str) -> None:
+    """The validation task's two steps (``workers.tasks.validate_batch``): the file checked
+    and its lines stored, then the cost estimate counted from them."""
     run_validation(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    estimate_batch(settings, batch_id)
 
 
 def run_lines(settings: Settings, model: str = MODEL) -> None:
@@ -450,6 +454,37 @@ def test_a_validated_batch_carries_its_estimate_which_the_bill_matches(
     assert estimate["price_low"] <= price <= estimate["price_high"]
     out = CliRunner().invoke(cli.app, ["status", batch.id]).output
     assert "estimate" in out and f"{2 * prompt} prompt tokens" in out
+
+
+def test_a_batch_runs_before_its_estimate_is_counted_and_a_redelivery_counts_it_once(
+    settings: Settings, tenant: Tenant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Validation puts the batch in progress without the estimate (its lines need not wait for
+    advice); the estimate is counted after. Fault injected: the control worker dies between the
+    two (the validation ran, the estimate never did); the redelivered validation message counts
+    it, and a third delivery leaves the first figures as they are."""
+    from workers import tasks
+
+    monkeypatch.setattr(tasks, "get_settings", lambda: settings)
+    lines = [line(c, MODEL, body_max_tokens=4) for c in "abc"]
+    file = tenant.sdk.files.create(file=("in.jsonl", jsonl(*lines)), purpose="batch")
+    batch = tenant.sdk.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert estimate_batch(settings, batch.id) is None  # still validating: nothing to count
+    run_validation(settings, get_blob_store(settings.resolved_blob_url), batch.id)
+    started = tenant.sdk.batches.retrieve(batch.id)
+    assert started.status == "in_progress"
+    assert (started.model_extra or {}).get("estimate") is None
+    tasks.validate_batch.run(batch.id)  # the message redelivered after the crash
+    estimate = (tenant.sdk.batches.retrieve(batch.id).model_extra or {})["estimate"]
+    assert estimate["requests"] == 3 and estimate["max_completion_tokens"] == 12
+    with session_scope(settings.resolved_database_url) as session:
+        batches_repo.get_any(session, batch.id).estimate = {**estimate, "requests": -1}
+    tasks.validate_batch.run(batch.id)
+    assert estimate_batch(settings, batch.id) is None
+    again = (tenant.sdk.batches.retrieve(batch.id).model_extra or {})["estimate"]
+    assert again["requests"] == -1, "an estimate once stored is never counted again"
 
 
 def test_offpeak_estimate_counts_with_the_models_own_tokenizer(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from workers import worker_metrics as metrics
 from workers.celery_app import app
 from workers.engine import registry, release
 from workers.engine.base import Engine, EngineFault
+from workers.estimate import estimate_batch
 from workers.finalize import finalize
 from workers.runner import Runner
 from workers.scheduler.slack import sweep_estimates
@@ -32,11 +33,15 @@ log = logging.getLogger(__name__)
 
 @app.task(name=queues.VALIDATE_TASK)
 def validate_batch(batch_id: str, mark: str | None = None) -> None:
+    """Validate the batch; once it is in progress, send its model's drain, then count its cost
+    estimate beside the run (``workers.estimate.estimate_batch``: its lines need not wait for
+    it). A redelivered message (the worker died in between) counts an estimate still missing."""
     settings = get_settings()
     task_messages.message_started(settings, queues.validate_key(batch_id), mark)
     model = run_validation(settings, get_blob_store(settings.resolved_blob_url), batch_id)
     if model is not None:
         task_messages.send_drain(settings, model)
+    estimate_batch(settings, batch_id)
 
 
 #: One runner per served model in this process, kept between drain tasks: the gate's hysteresis,

@@ -28,7 +28,6 @@ from storage.repositories import batches as batches_repo
 from storage.repositories import files as files_repo
 from storage.repositories import requests as requests_repo
 from workers import webhooks
-from workers.estimate import BatchEstimator
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +36,12 @@ _BOM = b"\xef\xbb\xbf"
 
 @dataclass
 class Outcome:
-    """What validation found: the batch's model and request count, or the problems."""
+    """What validation found: the batch's model and request count, or the problems. (The
+    batch's cost estimate is counted after it starts: ``workers.estimate.estimate_batch``.)"""
 
     model: str | None = None
     total: int = 0
     errors: list[dict[str, Any]] = field(default_factory=list)
-    #: Prompt tokens and the price range of the valid lines (the batch's ``estimate``).
-    estimate: BatchEstimator = field(default_factory=BatchEstimator)
 
 
 def iter_lines(chunks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
@@ -97,13 +95,11 @@ class _Checker:
         #: The batch's model: the first line's, or the one set when the batch was created.
         self.model: str | None = model
         self.custom_ids: set[str] = set()
-        #: The last line ``check`` parsed (the estimate counts it without parsing it again).
-        self.line: Any = None
 
     def check(self, number: int, raw: bytes) -> tuple[dict[str, Any] | None, str]:
         """The line's problem (a ``batch.errors.data`` entry) or ``None``, and its custom_id."""
         try:
-            line = self.line = orjson.loads(raw)
+            line = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             return wire.batch_error(
                 wire.INVALID_JSON_LINE, f"Line {number} is not valid JSON: {exc}.", number
@@ -272,7 +268,6 @@ def _valid_rows(
             return
         if not outcome.errors:
             assert checker.model is not None
-            outcome.estimate.add(settings, checker.model, batch.endpoint, checker.line)
             yield (batch_id, number, custom_id, checker.model, deadline, raw.decode())
 
 
@@ -324,7 +319,6 @@ def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str |
         if not outcome.errors and batch.status == BatchStatus.VALIDATING:
             batch.status, batch.in_progress_at = BatchStatus.IN_PROGRESS, now()
             batch.model, batch.total = outcome.model, outcome.total
-            batch.estimate = outcome.estimate.as_json(settings)
             return outcome.model
         session.rollback()  # drop the rows (all of them if cancelled, else those before a problem)
         batch = batches_repo.get_for_update(session, batch_id)

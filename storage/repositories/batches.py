@@ -150,6 +150,19 @@ def get_any(session: Session, batch_id: str) -> Batch | None:
     return session.get(Batch, batch_id)
 
 
+def set_estimate(session: Session, batch_id: str, estimate: dict[str, Any]) -> bool:
+    """Store ``estimate`` as the batch's ``estimate`` unless it has one already (a redelivered
+    task computes the same figures: the first one stays). Returns whether it was stored. Takes
+    the batch row's lock for the moment of the ``UPDATE`` only (the caller commits at once)."""
+    result = session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.estimate.is_(None))
+        .values(estimate=estimate)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(getattr(result, "rowcount", 0))
+
+
 def statuses(session: Session, batch_ids: Iterable[str]) -> dict[str, tuple[str, int]]:
     """``batch_id → (status, expires_at)`` for the given batches."""
     ids = list(batch_ids)

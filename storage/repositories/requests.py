@@ -494,3 +494,24 @@ def _iter_finished_pg(
             (batch_id,),
         )
         yield from cursor
+
+
+def iter_line_json(session: Session, batch_id: str, batch_size: int = 1000) -> Iterator[str]:
+    """The request lines of a batch as uploaded (``line_json``), in no particular order, through
+    a server-side cursor (PostgreSQL: the driver's named cursor, ``batch_size`` rows a fetch), so
+    a 50,000-line batch is never in memory at once. Lines a worker is running are read as they
+    are: nothing is locked."""
+    if is_postgres(session):
+        raw = driver_connection(session)
+        with raw.cursor(name="offpeak_iter_line_json") as cursor:
+            cursor.itersize = batch_size
+            cursor.execute("SELECT line_json FROM requests WHERE batch_id = %s", (batch_id,))
+            for (line_json,) in cursor:
+                yield line_json
+        return
+    query = (
+        select(RequestLine.line_json)
+        .where(RequestLine.batch_id == batch_id)
+        .execution_options(stream_results=True, yield_per=batch_size)
+    )
+    yield from session.scalars(query)
