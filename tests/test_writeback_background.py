@@ -8,6 +8,7 @@ blocks a write until the test lets it go, so "in flight" is a state the test hol
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -60,7 +61,9 @@ def _renewing_write(writer: ResultWriter, store: GatedStore, at: float) -> None:
     store.entered.clear()
 
 
-def test_background_write_returns_at_once_and_its_lines_stay_pending_until_stored() -> None:
+def test_background_writes_return_at_once_two_in_flight_and_lines_stay_pending_until_stored() -> (
+    None
+):
     store = GatedStore()
     writer = _writer(store)
     _renewing_write(writer, store, 10.0)
@@ -71,16 +74,63 @@ def test_background_write_returns_at_once_and_its_lines_stay_pending_until_store
     assert writer.row_ids() == [1]  # in flight: still this worker's
     writer.add(_line(2))  # the loop goes on stepping meanwhile
     writer.busy_seconds += 0.5
-    # A second periodic write while one is in flight does nothing.
+    # A second periodic write starts beside the first, with the line the first does not hold.
     assert writer.write(12.0, [], {"batch_x"}, background=True) is None
+    assert writer.unsent() == 0
+    writer.add(_line(3))
+    writer.busy_seconds += 0.25
+    # A third, with MAX_IN_FLIGHT (two) in flight, does nothing.
+    assert writer.write(12.5, [], {"batch_x"}, background=True) is None
+    assert writer.row_ids() == [1, 2, 3] and writer.unsent() == 1
     store.gate.set()
-    report = writer.write(13.0, [], {"batch_x"})  # a sync write waits for it, then writes
+    report = writer.write(13.0, [], {"batch_x"})  # a sync write waits for both, then writes
     assert report is not None and report.statuses == {"batch_x": ("in_progress", 1e12)}
-    background, sync = store.writes[-2:]
-    assert [r.id for r in background.results] == [1] and background.busy_seconds == 2.0
-    assert background.held_ids == []  # not due: the heartbeat renews between
-    assert [r.id for r in sync.results] == [2] and sync.busy_seconds == 0.5
+    by_line = {tuple(r.id for r in w.results): w for w in store.writes[1:]}
+    assert sorted(by_line) == [(1,), (2,), (3,)], "each line in one write, once"
+    assert by_line[(1,)].busy_seconds == 2.0 and by_line[(2,)].busy_seconds == 0.5
+    assert by_line[(3,)].busy_seconds == 0.25 and store.writes[-1] is by_line[(3,)]
+    assert by_line[(1,)].held_ids == []  # not due: the heartbeat renews between
     assert writer.pending == [] and writer.busy_seconds == 0.0
+
+
+def test_the_older_of_two_writes_in_flight_fails_and_nothing_is_lost_or_stored_twice() -> None:
+    """Fault injected: of two writes in flight, the older meets an outage and the younger is
+    stored. The younger's lines leave ``pending``; the older's stay (ahead of the younger's
+    in the list) with their engine seconds, and the next write stores them, once."""
+
+    class FirstWriteDown(GatedStore):
+        def write_back(self, write: WriteBack) -> WriteBackReport:
+            if [r.id for r in write.results] == [1] and self.fail is not None:
+                self.entered.set()
+                assert self.gate.wait(30)
+                fail, self.fail = self.fail, None
+                raise fail
+            self.writes.append(write)
+            return WriteBackReport({b: ("in_progress", 1e12) for b in write.batch_ids}, [])
+
+    store = FirstWriteDown()
+    store.fail = OperationalError("UPDATE", {}, Exception("server closed the connection"))
+    writer = _writer(store)
+    writer.add(_line(1))
+    writer.busy_seconds = 3.0
+    writer.write(10.0, [], {"batch_x"}, background=True)
+    assert store.entered.wait(30)
+    writer.add(_line(2))
+    writer.busy_seconds += 1.0
+    writer.write(11.0, [], {"batch_x"}, background=True)  # the younger: stored at once
+    deadline = time.monotonic() + 30
+    while not store.writes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [[r.id for r in w.results] for w in store.writes] == [[2]]
+    # Applied oldest first: the younger's report waits for the older's outcome.
+    assert writer.write(11.5, [], set(), background=True) is None
+    assert writer.row_ids() == [1, 2]
+    store.gate.set()
+    assert writer.write(12.0, [], {"batch_x"}) is not None  # waits, then writes what is left
+    assert [[r.id for r in w.results] for w in store.writes] == [[2], [1]]
+    assert store.writes[0].busy_seconds == pytest.approx(1.0)
+    assert store.writes[1].busy_seconds == pytest.approx(3.0)  # given back, billed once
+    assert writer.pending == [] and writer.unsent() == 0 and writer.busy_seconds == 0.0
 
 
 def test_background_outage_keeps_lines_and_seconds_for_the_next_write() -> None:
@@ -182,3 +232,36 @@ def test_answered_lines_get_their_records_built_by_the_background_write() -> Non
     answer = records.load(stored.result or "")
     assert isinstance(answer, records.Answer) and answer.completion_tokens == 3
     assert write.per_batch["batch_x"].completion_tokens == 3 and writer.pending == []
+
+
+def test_held_bytes_follow_the_lines_and_settle_waits_for_every_write_in_flight() -> None:
+    """``held_bytes`` (the loop's ``MAX_HELD_BYTES`` bound) counts every line held, the
+    writes in flight's included, and drops with the lines stored, not with those an outage
+    kept. ``settle`` (past that bound) applies every write in flight before the next starts."""
+    store = GatedStore()
+    writer = _writer(store)
+    for i in (1, 2, 3):
+        writer.add(_line(i))
+    assert writer.held_bytes == 3 * len("{}")
+    writer.write(10.0, [], {"batch_x"}, background=True)
+    assert store.entered.wait(30)
+    writer.add(_line(4))
+    writer.write(11.0, [], {"batch_x"}, background=True)
+    assert writer.held_bytes == 4 * len("{}")  # in flight: still held
+    writer.add(FinishedLine(5, "batch_x", "failed", 1.0, 400, '{"a": 1}', TokenCounts()))
+    releaser = threading.Timer(0.2, store.gate.set)
+    releaser.start()
+    # Two in flight: ``settle`` applies both (waiting for room alone would apply the older
+    # and leave line 4 held), then starts the next, with line 5, in the background.
+    assert writer.write(12.0, [], {"batch_x"}, background=True, settle=True) is not None
+    assert writer.row_ids() == [5] and writer.held_bytes == len('{"a": 1}')
+    assert writer.write(13.0, [], {"batch_x"}) is not None  # waits for line 5's write
+    assert sorted(r.id for w in store.writes for r in w.results) == [1, 2, 3, 4, 5]
+    assert writer.held_bytes == 0 and writer.pending == []
+    writer.add(_line(6))
+    store.fail = OperationalError("UPDATE", {}, Exception("server closed the connection"))
+    assert writer.write(14.0, [], {"batch_x"}) is None  # the outage: line 6 stays held
+    assert writer.held_bytes == len("{}") and writer.row_ids() == [6]
+    store.fail = None
+    assert writer.write(15.0, [], {"batch_x"}) is not None
+    assert writer.held_bytes == 0 and writer.pending == []

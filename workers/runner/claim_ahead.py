@@ -13,6 +13,7 @@ with the rest rather than wait out their lease.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
@@ -21,31 +22,43 @@ T = TypeVar("T")
 
 
 class ClaimAhead(Generic[T]):
-    """At most one claim in flight on a thread of its own; ``T`` is what the claim returns."""
+    """Claims in flight on threads of their own, at most ``depth`` at a time (the runner sets
+    it: two while its engine empties every step, else one); ``T`` is what a claim returns.
+    They are taken in the order they were started."""
+
+    #: Threads, the most claims that can ever be in flight at once.
+    MAX_DEPTH = 2
 
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None
-        self._future: Future[T] | None = None
-        self._asked = 0
+        self._futures: deque[tuple[Future[T], int]] = deque()
+        #: Claims allowed in flight at once (1 … ``MAX_DEPTH``).
+        self.depth = 1
 
     @property
     def busy(self) -> bool:
-        """A claim was started and not taken yet."""
-        return self._future is not None
+        """As many claims in flight (started and not taken yet) as ``depth`` allows."""
+        return len(self._futures) >= self.depth
+
+    @property
+    def in_flight(self) -> int:
+        """Claims started and not taken yet."""
+        return len(self._futures)
 
     def start(self, claim: Callable[[], T], limit: int) -> None:
-        """Run ``claim`` (which asks for ``limit`` lines) on the claim thread."""
-        assert self._future is None, "one claim at a time"
+        """Run ``claim`` (which asks for ``limit`` lines) on a claim thread."""
+        assert not self.busy, f"{self.depth} claims at a time"
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="claim")
-        self._future = self._executor.submit(claim)
-        self._asked = limit
+            self._executor = ThreadPoolExecutor(self.MAX_DEPTH, thread_name_prefix="claim")
+        self._futures.append((self._executor.submit(claim), limit))
 
     def take(self, *, wait: bool) -> tuple[T, int] | None:
-        """``(what the claim returned, lines asked for)`` once it is done (waiting for it if
-        ``wait``), or ``None``; re-raises what the claim raised."""
-        future = self._future
-        if future is None or (not wait and not future.done()):
+        """``(what the oldest claim returned, lines it asked for)`` once it is done (waiting
+        for it if ``wait``), or ``None``; re-raises what the claim raised."""
+        if not self._futures:
             return None
-        self._future = None
-        return future.result(), self._asked
+        future, limit = self._futures[0]
+        if not wait and not future.done():
+            return None
+        self._futures.popleft()
+        return future.result(), limit

@@ -73,15 +73,23 @@ log = logging.getLogger(__name__)
 #: it must have stepped before that rate is trusted.
 RATE_SECONDS = 300.0
 RATE_TRUSTED_AFTER = 30.0
-#: Finished lines held and not yet stored, the write in flight's included, past which the
-#: write-back waits for the one in flight and then starts the next in the background rather
-#: than let them pile up: an engine that answers faster than the database stores (the instant
-#: engine, embeddings) would otherwise hold a growing backlog of records while the background
-#: write lags. So at most this plus a step's answers are held, whatever the batch's size
-#: (``test_the_runner_holds_no_more_for_ten_times_the_inputs``; counting only the lines not in
-#: flight let twice this pile up, and a 1,000-line drain then held less than a 10,000-line
-#: one). A GPU's second of answers (hundreds of lines) mostly stays under it.
+#: Finished lines held and not yet sent to a write, past which the write-back waits for room
+#: among the writes in flight (``writeback.MAX_IN_FLIGHT``) and then starts the next in the
+#: background rather than let them pile up: an engine that answers faster than the database
+#: stores (the instant engine, embeddings) would otherwise hold a growing backlog of records
+#: while the background writes lag. So at most this plus a step's answers are held for each
+#: write in flight and for the next, whatever the batch's size
+#: (``test_the_runner_holds_no_more_for_ten_times_the_inputs``,
+#: ``test_the_runner_holds_a_bounded_number_of_unstored_results_while_writes_lag``). A GPU's
+#: second of answers (hundreds of lines) mostly stays under it.
 MAX_PENDING_LINES = 512
+#: ``results.held_bytes`` of the finished lines held (the writes in flight's included) past
+#: which the write-back waits for every write in flight before it starts the next: heavy lines
+#: (embeddings' vectors, long completions) keep one write in flight and at most this plus a
+#: step's answers in memory, while light ones (short chat answers: a few hundred bytes) get
+#: ``writeback.MAX_IN_FLIGHT`` writes of ``MAX_PENDING_LINES`` each. 1 MiB: 2,400 bench
+#: control lines (≈ 430 bytes each), 600 lines of 384-dimension embeddings.
+MAX_HELD_BYTES = 1 << 20
 
 
 @dataclass
@@ -313,16 +321,18 @@ class Runner:
             if self.held.running:
                 self._step()
                 looked_again = False
-                backlog = len(self.writer.pending) >= MAX_PENDING_LINES
+                heavy = self.writer.held_bytes >= MAX_HELD_BYTES
+                backlog = heavy or self.writer.unsent() >= MAX_PENDING_LINES
                 if (
                     backlog
                     or self.clock.monotonic() - self._last_flush >= self.settings.flush_seconds
                 ):
                     # On the wall clock the periodic write-back overlaps the next steps
                     # (``workers.runner.writeback``); one past the backlog bound first waits
-                    # for the write in flight, then overlaps them too (the loop waiting for
-                    # its own write as well kept the claims and steps idle meanwhile).
-                    self._flush(background=self.heartbeat is not None, wait=backlog)
+                    # for room among the writes in flight (past the bytes bound, for all of
+                    # them), then overlaps them too (the loop waiting for its own write as
+                    # well kept the claims and steps idle meanwhile).
+                    self._flush(background=self.heartbeat is not None, wait=backlog, settle=heavy)
                 continue
             if self._lane_waits() and not (until is not None and until()):
                 # The lane has no room at the server yet (learning, or real-time is busy): its
@@ -566,6 +576,11 @@ class Runner:
         self.held.admit(self.engine, feed, self._admissible, self._refused)
         self.lines_sent += max(0, len(self.held.running) - before)
         ahead = self.claim_ahead
+        if ahead is not None:
+            # An engine that empties every step waits for each claim, a round trip and the
+            # lines' parse on the claim thread: two claims in flight overlap one's round trip
+            # with the other's parse (``offpeak bench control``).
+            ahead.depth = ClaimAhead.MAX_DEPTH if self._empties else 1
         if ahead is not None and self.held.running and not ahead.busy:
             # The next claim overlaps the step about to run. An engine that finishes every
             # line within a step (the instant engine, short answers at a GPU's step rate) is
@@ -610,10 +625,26 @@ class Runner:
         return None
 
     def _settle_claim(self) -> None:
-        """Wait for a claim in flight and queue its lines (before they are handed back)."""
-        done = self.claim_ahead.take(wait=True) if self.claim_ahead else None
-        if done is not None and done[0].rows:
-            self._accept(done[0])
+        """Wait for the claims in flight and queue their lines (before they are handed back).
+        Every claim is settled before a failure (a claim's, or a chunk's ``EngineFault``) is
+        raised, so none is left holding lines that would wait out their lease."""
+        settled: list[Claimed] = []
+        failure: BaseException | None = None
+        while self.claim_ahead and self.claim_ahead.in_flight:
+            try:
+                done = self.claim_ahead.take(wait=True)
+            except BaseException as exc:  # that claim leased nothing it returned
+                failure = failure or exc
+                continue
+            if done is not None and done[0].rows:
+                settled.append(done[0])
+        for claimed in settled:
+            try:
+                self._accept(claimed)
+            except BaseException as exc:  # its rows were handed back: accept the others
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def _claim_and_prepare(self, at: float, limit: int, urgent: set[str]) -> Claimed:
         """Claim up to ``limit`` lines and prepare them (on the claim thread when it claims).
@@ -697,7 +728,7 @@ class Runner:
         ids = self.held.row_ids() + self.writer.row_ids()
         self.store.renew(self.owner, time.time() + self.settings.lease_seconds, ids)
 
-    def _flush(self, background: bool = False, wait: bool = False) -> None:
+    def _flush(self, background: bool = False, wait: bool = False, settle: bool = False) -> None:
         """Write results and accounting, renew leases, and stop the lines of batches that were
         cancelled or ran out of time. Keeps everything for the next try when the database is
         unreachable. ``background``: start the write and act on the previous one's report
@@ -706,7 +737,12 @@ class Runner:
         at = self.clock.time()
         # The pending results are written before the leases are renewed: only held lines.
         report = self.writer.write(
-            at, self.held.row_ids(), self.held.batch_ids(), background=background, wait=wait
+            at,
+            self.held.row_ids(),
+            self.held.batch_ids(),
+            background=background,
+            wait=wait,
+            settle=settle,
         )
         if report is None:
             return

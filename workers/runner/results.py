@@ -95,6 +95,22 @@ def answered(
     return Answered(row, prepared, result, created, at, _tokens(result))
 
 
+def held_bytes(line: Finished) -> int:
+    """What holding ``line`` until it is stored costs, in bytes of its payload: the request
+    line as claimed, the completions' text and token ids (8 bytes an id) and an embeddings
+    line's vectors, or a built record's JSON. A proxy for its memory (Python's objects add a
+    constant share), for the write-back's bound (``workers.runner.loop.MAX_HELD_BYTES``)."""
+    if isinstance(line, FinishedLine):
+        return len(line.result or "")
+    result = line.result
+    size = len(line.row.line_json)
+    for completion in result.completions:
+        size += len(completion.text) + 8 * len(completion.token_ids)
+    if result.embeddings:
+        size += sum(len(vector) for vector in result.embeddings)
+    return size
+
+
 def stored(line: Finished) -> FinishedLine:
     """``line`` as ``requests_repo.write_results`` stores it (its record built if not yet)."""
     return line.line() if isinstance(line, Answered) else line

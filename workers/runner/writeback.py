@@ -5,15 +5,23 @@ Results wait here until a write-back stores them in one transaction with the eng
 database outage only delays them: they stay here for the next try. Lines handed back to pending
 go through ``release``.
 
-The runner's periodic write-back runs in the **background** (``write(background=True)``, one
-write at a time on a thread of its own), overlapping the engine's next steps instead of
-stalling them: at GPU step rates (10–40 ms) a 50–300 ms round trip every second cost a fifth
-of the engine's tokens (issue 14, ``offpeak bench overhead``). Its report (batch statuses, lines
-taken over) is applied at the next write-back; its lines stay in ``pending`` (still this
-worker's: renewed, never handed back) until the loop thread sees it stored. Every other write
-(a yield, a stop, a fault, the end of a drain) first waits for the one in flight. The records of
-answered lines are built by the write itself (``results.Answered``), so in the background on
-the writer's thread too.
+The runner's periodic write-back runs in the **background** (``write(background=True)``, up to
+``MAX_IN_FLIGHT`` writes at a time on threads of their own), overlapping the engine's next
+steps instead of stalling them: at GPU step rates (10–40 ms) a 50–300 ms round trip every
+second cost a fifth of the engine's tokens (issue 14, ``offpeak bench overhead``). Their
+reports (batch statuses, lines taken over) are applied at the next write-backs, oldest first;
+their lines stay in ``pending`` (still this worker's: renewed, never handed back) until the loop
+thread sees them stored. Every other write (a yield, a stop, a fault, the end of a drain) first
+waits for those in flight. The records of answered lines are built by the write itself
+(``results.Answered``), so in the background on the writers' threads too.
+
+Two writes in flight, not one: when the engine answers faster than one write stores (the
+instant engine, embeddings), a write's time is mostly waits (its round trip, the server's
+``UPDATE``, the ``COMMIT``), and one writer left the loop waiting on it for 60% of a 50,000-line
+run (``offpeak bench control``, ``docs/benchmarks.md``). Each line is in one write only; two
+writes touch the same batch row (its counters), so the second waits for the first's
+``COMMIT`` there, and a deadlock between two writes of several batches is an outage like any
+other (``TRANSIENT_DB_ERRORS``: the lines stay for the next write).
 
 Leases are renewed by a write-back only once ``RENEW_FRACTION`` of the lease has passed since
 the last renewal (the heartbeat renews between them), not every second: renewing 500 held
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -36,7 +45,7 @@ from storage.errors import TRANSIENT_DB_ERRORS
 from storage.repositories import engine_chunks
 from storage.repositories.requests import ClaimedRequest
 from workers import worker_metrics
-from workers.runner.results import Finished, stored
+from workers.runner.results import Finished, held_bytes, stored
 from workers.runner.server_share import ServerShare, UsageMeter
 from workers.scheduler.store import WorkStore, WriteBack, WriteBackReport
 
@@ -45,17 +54,31 @@ log = logging.getLogger(__name__)
 #: A write-back renews the held leases once this fraction of ``lease_seconds`` has passed since
 #: its last renewal (the lease heartbeat renews at a third, ``LeaseHeartbeat``).
 RENEW_FRACTION = 0.25
+#: Background writes in flight at once (the module's docstring says why two).
+MAX_IN_FLIGHT = 2
 
 
 @dataclass
 class _Written:
     """A write-back's outcome, applied on the loop thread (``ResultWriter._apply``): the write,
-    its report (``None``: the database was unreachable) and the engine seconds taken off the
-    writer for it (``raw_busy``, given back if it failed)."""
+    its report (``None``: the database was unreachable), the engine seconds taken off the
+    writer for it (``raw_busy``, given back if it failed) and the lines it stored (``lines``,
+    taken out of ``pending`` once it succeeded)."""
 
     write: WriteBack
     report: WriteBackReport | None
     raw_busy: float
+    lines: list[Finished]
+
+
+@dataclass
+class _InFlight:
+    """A background write: its future, its lines and the engine seconds and period start it
+    took off the writer (given back if it raises)."""
+
+    future: Future[_Written]
+    lines: list[Finished]
+    busy: tuple[float, float]
 
 
 class ResultWriter:
@@ -85,11 +108,13 @@ class ResultWriter:
         #: A co-served (remote) engine's share of its server: then a period's engine seconds
         #: are its busy wall seconds × our share of the server's tokens (``server_share``).
         self.share: ServerShare | None = None
-        #: The background write in flight (``write(background=True)``) and its thread.
-        self._inflight: Future[_Written] | None = None
+        #: The background writes in flight (``write(background=True)``), oldest first, their
+        #: threads, and the ``id()`` of every line one of them is storing.
+        self._inflight: deque[_InFlight] = deque()
         self._executor: ThreadPoolExecutor | None = None
-        #: The engine seconds and period start the write in flight took off.
-        self._inflight_busy = (0.0, started_at)
+        self._sending: set[int] = set()
+        #: ``results.held_bytes`` of every line in ``pending`` (the writes in flight's included).
+        self.held_bytes = 0
         #: When a write-back last renewed the held leases (unix seconds).
         self._renewed_at = -math.inf
 
@@ -101,6 +126,11 @@ class ResultWriter:
 
     def add(self, line: Finished) -> None:
         self.pending.append(line)
+        self.held_bytes += held_bytes(line)
+
+    def unsent(self) -> int:
+        """Finished lines that no write in flight holds: what the next write would take."""
+        return len(self.pending) - len(self._sending)
 
     def row_ids(self) -> list[int]:
         """Ids of lines finished here and not written yet (still this worker's). Safe from
@@ -115,24 +145,33 @@ class ResultWriter:
         *,
         background: bool = False,
         wait: bool = False,
+        settle: bool = False,
     ) -> WriteBackReport | None:
         """Store the pending lines and their engine chunk, renew the leases of ``held_ids``
         (when due) and read the statuses of ``batch_ids``. Returns ``None`` when there was
         nothing to do or the database is unreachable (everything stays for the next try);
         raises what a wrong write raises (the caller hands the lines back).
 
-        ``background``: start the write on the writer's thread and return the report of the
-        previous background write (``None`` if none finished since); if one is still in
-        flight, do nothing now, unless ``wait``: then wait for it, and start this one in the
-        background (lines answered faster than they are stored: the caller bounds what piles
-        up behind the write in flight without stopping its own work while the next is
-        stored). Otherwise (the default) wait for any write in flight, then write here and
-        return both reports merged. A write that renews the leases (when due)
-        is never in the background: its report says at once which held lines another worker
-        took over. Nor is a server-shared engine's (``share_server``): its share is computed
-        from the server's counters at write time."""
-        earlier = self._collect(wait=wait or not background)
-        if background and self._inflight is not None:
+        ``background``: start the write on a writer's thread with the lines no write in
+        flight holds, and return the reports of the background writes that finished since
+        (``None`` if none); if ``MAX_IN_FLIGHT`` are in flight, do nothing now, unless
+        ``wait``: then wait for the oldest, and start this one in the background (lines
+        answered faster than they are stored: the caller bounds what piles up behind the
+        writes in flight without stopping its own work while the next is stored); with
+        ``settle``, wait for every write in flight first (the lines held weigh too much for
+        more than one write at a time: ``loop.MAX_HELD_BYTES``). Otherwise
+        (the default) wait for every write in flight, then write here and return all their
+        reports merged. A write that renews the leases (when due) is never in the
+        background: its report says at once which held lines another worker took over. Nor is
+        a server-shared engine's (``share_server``): its share is computed from the server's
+        counters at write time."""
+        if not background or settle:
+            earlier = self._collect(keep=0)
+        elif wait:
+            earlier = self._collect(keep=MAX_IN_FLIGHT - 1)
+        else:
+            earlier = self._collect(keep=None)
+        if background and len(self._inflight) >= MAX_IN_FLIGHT:
             return earlier
         if not self.pending and not batch_ids:
             return earlier
@@ -141,9 +180,18 @@ class ResultWriter:
         renew = bool(held_ids) and (
             at - self._renewed_at >= RENEW_FRACTION * self.settings.lease_seconds
         )
-        results = list(self.pending)
+        if background and self.share is None and not renew:
+            sending = self._sending
+            lines = [line for line in self.pending if id(line) not in sending]
+            if not lines and not batch_ids:
+                return earlier
+        elif background and self._inflight and not (wait or settle):
+            return earlier  # it must run here, after those in flight: at a later write-back
+        else:
+            earlier = _merge(earlier, self._collect(keep=0))
+            background, lines = False, list(self.pending)
         # Whether an engine chunk is recorded: any answered line (``tokens_by_batch``'s rule).
-        answered = any(line.status == LineStatus.SUCCEEDED for line in results)
+        answered = any(line.status == LineStatus.SUCCEEDED for line in lines)
         busy, started = self.busy_seconds, self.period_started
         if answered:  # the seconds go with these results; a failed write gives them back
             self.busy_seconds, self.period_started = 0.0, at
@@ -162,21 +210,22 @@ class ResultWriter:
             held_ids=list(held_ids) if renew else [],
         )
         # A renewing write stays on this thread: its report (lines taken over) stops them now.
-        if background and self.share is None and not renew:
+        if background:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="write-back")
-            self._inflight = self._executor.submit(self._store, write, results, busy)
-            self._inflight_busy = (busy if answered else 0.0, started)
+                self._executor = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="write-back")
+            future = self._executor.submit(self._store, write, lines, busy)
+            self._inflight.append(_InFlight(future, lines, (busy if answered else 0.0, started)))
+            self._sending.update(map(id, lines))
             return earlier
         try:
-            outcome = self._store(write, results, busy)
+            outcome = self._store(write, lines, busy)
         except BaseException:
             self._give_back(busy if answered else 0.0, started)
             raise
         return _merge(earlier, self._apply(outcome))
 
     def _store(self, write: WriteBack, lines: list[Finished], raw_busy: float) -> _Written:
-        """One write-back of ``lines``, on either thread: their records built, their tokens per
+        """One write-back of ``lines``, on any thread: their records built, their tokens per
         batch summed, then stored; the database unreachable gives no report."""
         results = [stored(line) for line in lines]
         write = replace(write, results=results, per_batch=engine_chunks.tokens_by_batch(results))
@@ -188,9 +237,9 @@ class ResultWriter:
             log.warning(
                 "write-back failed, keeping %d results for the next: %s", len(write.results), exc
             )
-            return _Written(write, None, raw_busy)
+            return _Written(write, None, raw_busy, lines)
         report.renewed = bool(write.held_ids)
-        return _Written(write, report, raw_busy)
+        return _Written(write, report, raw_busy, lines)
 
     def _give_back(self, busy: float, started: float) -> None:
         """A write that failed: its engine seconds and period go to the next one."""
@@ -220,28 +269,65 @@ class ResultWriter:
                     sum(t.cached_tokens for t in per_batch.values()),
                     sum(t.completion_tokens for t in per_batch.values()),
                 )
-        # Only appended to since the write took its copy: its lines are the first ones.
-        del self.pending[: len(write.results)]
+        self._forget(outcome.lines)
         return outcome.report
 
-    def _collect(self, *, wait: bool) -> WriteBackReport | None:
-        """The report of the background write once it finished (waiting for it if ``wait``);
-        re-raises what it raised (not an outage: the caller hands the lines back), its lines
-        still pending and its engine seconds given back."""
-        inflight = self._inflight
-        if inflight is None or (not wait and not inflight.done()):
-            return None
-        self._inflight = None
-        try:
-            outcome = inflight.result()
-        except BaseException:
-            self._give_back(*self._inflight_busy)
-            raise
-        return self._apply(outcome)
+    def _forget(self, lines: list[Finished]) -> None:
+        """Take ``lines`` (stored) out of ``pending``. They are its first ones unless an
+        earlier write failed (its lines then stay ahead of them): then by identity."""
+        n = len(lines)
+        if not n:
+            return
+        self.held_bytes -= sum(map(held_bytes, lines))
+        if (
+            n <= len(self.pending)
+            and self.pending[0] is lines[0]
+            and self.pending[n - 1] is lines[-1]
+        ):
+            del self.pending[:n]
+            return
+        gone = set(map(id, lines))
+        self.pending = [line for line in self.pending if id(line) not in gone]
+
+    def _collect(self, *, keep: int | None) -> WriteBackReport | None:
+        """The reports of the background writes that finished, oldest first (a write's report
+        is applied only after every older one's). ``keep``: wait until no more than ``keep``
+        are in flight (``0``: all done); ``None``: wait for none. Re-raises what a write raised
+        (not an outage: the caller hands the lines back), after waiting for every other write
+        in flight, their lines still pending and their engine seconds given back."""
+        report: WriteBackReport | None = None
+        while self._inflight:
+            oldest = self._inflight[0]
+            must = keep is not None and len(self._inflight) > keep
+            if not must and not oldest.future.done():
+                break
+            self._inflight.popleft()
+            self._sending.difference_update(map(id, oldest.lines))
+            try:
+                outcome = oldest.future.result()
+            except BaseException:
+                self._give_back(*oldest.busy)
+                self._settle_after_failure()
+                raise
+            report = _merge(report, self._apply(outcome))
+        return report
+
+    def _settle_after_failure(self) -> None:
+        """A write raised: wait for the others in flight and apply what they stored (or give
+        back the seconds of those that raised too), so the caller sees every line still
+        pending, and none of them in flight, when it hands them back."""
+        while self._inflight:
+            other = self._inflight.popleft()
+            self._sending.difference_update(map(id, other.lines))
+            try:
+                self._apply(other.future.result())
+            except BaseException:
+                self._give_back(*other.busy)
 
     def drop_pending(self) -> list[Finished]:
         """Forget the pending lines (the database refuses them) and return them."""
         dropped, self.pending = self.pending, []
+        self.held_bytes = 0
         return dropped
 
     def release(self, rows: Iterable[ClaimedRequest], *, count_attempt: bool) -> None:
