@@ -18,8 +18,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
-from sqlalchemy import event, text, update
+from sqlalchemy import text, update
 
 from offpeak.statuses import BatchStatus, LineStatus
 from storage.db import get_engine, session_scope
@@ -96,24 +97,26 @@ def url(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 def _captured_claim(url: str, **kwargs: Any) -> tuple[list[Any], list[tuple[str, Any]]]:
+    """The claim's answer and its statements as they ran: the locking statements, and the
+    planner settings the claim makes for them. Captured at psycopg's cursor (the claim runs
+    there, in a pipeline, not through SQLAlchemy's execution events)."""
     statements: list[tuple[str, Any]] = []
-    engine = get_engine(url)
+    execute = psycopg.Cursor.execute
 
-    def capture(_conn: Any, _cursor: Any, statement: str, params: Any, *_: Any) -> None:
-        # The locking statements, and the planner settings the claim makes for them.
+    def capture(cursor: Any, query: Any, params: Any = None, **options: Any) -> Any:
+        statement = query if isinstance(query, str) else str(query)
         if "FOR UPDATE" in statement or statement.startswith("SET LOCAL"):
             statements.append((statement, params))
+        return execute(cursor, query, params, **options)
 
-    event.listen(engine, "before_cursor_execute", capture)
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(psycopg.Cursor, "execute", capture)
         with session_scope(url) as session:
             now = time.time()
             claimed = requests_repo.claim(
                 session, model="m", owner="w1", lease_until=now + 120, at=now, **kwargs
             )
             session.rollback()  # leave the rows pending for the next test
-    finally:
-        event.remove(engine, "before_cursor_execute", capture)
     return claimed, statements
 
 

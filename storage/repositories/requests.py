@@ -14,7 +14,7 @@ from functools import cache
 from itertools import islice
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, any_, bindparam, func, insert, or_, select, text, update
+from sqlalchemy import CursorResult, bindparam, insert, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from offpeak.statuses import BatchStatus, LineStatus
@@ -129,40 +129,112 @@ def claim(
     rows, and running rows whose lease ran out before ``at`` (their worker died). Rows of batches
     not ``in_progress``, or whose window ended at ``at``, are left alone (the sweep expires them).
     ``batch_ids``: only rows of these batches (the urgent ones while load is high). Skips rows
-    another transaction holds.
+    another transaction holds. Returns them in id order.
 
     Two range scans of ``ix_requests_claim`` (model, status, deadline, id) instead of one
     ``status = pending OR (status = running AND lease_expires_at < at)``, which cannot walk that
     index in deadline order; and an integer bound on the bigint ``deadline`` (a float one made
-    PostgreSQL cast every row's deadline). The running batches are read first and passed as a
-    list: joined as a subquery, the planner sorted every pending row of the model instead of
-    walking the index (EXPLAIN on 30,000 pending rows: 19 ms vs 0.5 ms per claim); and sorts
-    are off for the claim's transaction, so stale statistics cannot choose a sort either. Issue 14
-    measured the old query at 35% of an engine worker's time. Rows with a lapsed lease come
-    first (few running rows to scan: what workers hold), then pending rows in deadline order."""
+    PostgreSQL cast every row's deadline). Issue 14 measured the old query at 35% of an engine
+    worker's time. Rows with a lapsed lease come first (few running rows to scan: what workers
+    hold), then pending rows in deadline order.
+
+    On PostgreSQL the claim is one statement (``CLAIM_STATEMENTS``: both scans, locking, as
+    the arms of a ``UNION ALL`` under one ``LIMIT``, so the pending scan locks only the rows
+    the lapsed one left room for), sent in one round trip with the transaction's ``BEGIN`` and
+    its planner setting (psycopg's pipeline mode): three round trips a claim with the
+    ``COMMIT`` and the pool's pre-ping, where the batches read, the setting and each of two
+    ``UPDATE`` statements took one (seven: the claim thread's waits were the engine worker's
+    pace once two write-backs ran at a time, ``offpeak bench control``,
+    ``docs/benchmarks.md``). Sorts are off for the claim's transaction, so stale statistics
+    cannot choose a sort over the ordered walk (``tests/test_claim_plan.py``)."""
+    # deadline is whole seconds: deadline > at  <=>  deadline > floor(at), an integer bound.
+    after = math.floor(at)
+    if is_postgres(session):
+        return _claim_pg(session, claim_params(model, limit, owner, lease_until, at, batch_ids))
     running = set(session.scalars(select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS)))
     if batch_ids is not None:
         running &= set(batch_ids)
     if not running:
         return []
-    batch_ids = sorted(running)
-    if is_postgres(session):
-        # Only the ordered walk of ``ix_requests_claim``: with statistics from before a large
-        # batch was copied in (autovacuum not yet come by), PostgreSQL took the batch's
-        # rows as few, read them all by another index and sorted them on every claim (35-60 ms
-        # per claim of 50,000 lines, against a few on the walk; ``offpeak bench control``).
-        # For this transaction only: a plan with a sort is then the last resort.
-        session.connection().exec_driver_sql("SET LOCAL enable_sort = off")
-    # deadline is whole seconds: deadline > at  <=>  deadline > floor(at), an integer bound.
-    after = math.floor(at)
-    # Lapsed rows first: they already waited out a lease, and there are few running rows to
-    # look through (what the workers hold).
+    ids = sorted(running)
     lease = (owner, lease_until)
-    claimed = _take(session, model, LineStatus.RUNNING, after, limit, batch_ids, lease, at)
+    claimed = _take(session, model, LineStatus.RUNNING, after, limit, ids, lease, at)
     if len(claimed) < limit:
-        claimed += _take(
-            session, model, LineStatus.PENDING, after, limit - len(claimed), batch_ids, lease
-        )
+        rest = limit - len(claimed)
+        claimed += _take(session, model, LineStatus.PENDING, after, rest, ids, lease)
+    claimed.sort(key=lambda r: r.id)
+    return claimed
+
+
+#: The claim's planner setting on PostgreSQL, for its transaction only: a plan with a sort is
+#: then the last resort. With statistics from before a large batch was copied in (autovacuum
+#: not yet come by), PostgreSQL took the batch's rows as few, read them all by another index and
+#: sorted them on every claim (35-60 ms per claim of 50,000 lines, against a few on the walk).
+NO_SORTS = "SET LOCAL enable_sort = off"
+
+
+def _claim_arm(status: str, lapsed: bool, only: bool) -> str:
+    """One locking, ordered range scan of ``ix_requests_claim`` for ``CLAIM_STATEMENTS``."""
+    return (
+        "SELECT id FROM requests WHERE model = %(model)s AND status = '" + status + "' "
+        "AND deadline > %(after)s "
+        # An array of the running batches, not a join: joined, the planner sorted every pending
+        # row of the model instead of walking the index (19 vs 0.5 ms a claim, 30,000 rows).
+        "AND batch_id = ANY(ARRAY(SELECT id FROM batches WHERE status = 'in_progress')) "
+        + ("AND batch_id = ANY(%(only)s::varchar[]) " if only else "")
+        + ("AND lease_expires_at < %(at)s " if lapsed else "")
+        + "ORDER BY deadline, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
+    )
+
+
+def _claim_statement(only: bool) -> str:
+    # ``id = ANY(ARRAY(subquery))``: the ids picked once (an InitPlan), then looked up by
+    # primary key; as ``id IN (subquery)`` the planner hash-joined a scan of the whole table.
+    return (
+        "UPDATE requests SET status = 'running', lease_owner = %(owner)s, "
+        "lease_expires_at = %(lease_until)s, attempts = attempts + 1 "
+        "WHERE id = ANY(ARRAY("
+        f"SELECT id FROM ({_claim_arm(LineStatus.RUNNING, True, only)}) AS lapsed "
+        f"UNION ALL SELECT id FROM ({_claim_arm(LineStatus.PENDING, False, only)}) AS pending "
+        "LIMIT %(limit)s)) "
+        "RETURNING id, batch_id, custom_id, line_json, attempts"
+    )
+
+
+#: ``claim``'s statement on PostgreSQL, by whether it is limited to some batches (``only``).
+CLAIM_STATEMENTS = {only: _claim_statement(only) for only in (False, True)}
+
+
+def claim_params(
+    model: str,
+    limit: int,
+    owner: str,
+    lease_until: float,
+    at: float,
+    batch_ids: Collection[str] | None = None,
+) -> dict[str, Any]:
+    """``CLAIM_STATEMENTS[batch_ids is not None]``'s parameters for ``claim``'s arguments."""
+    params: dict[str, Any] = {
+        "model": model,
+        "after": math.floor(at),
+        "at": at,
+        "limit": limit,
+        "owner": owner,
+        "lease_until": lease_until,
+    }
+    if batch_ids is not None:
+        params["only"] = sorted(batch_ids)
+    return params
+
+
+def _claim_pg(session: Session, params: dict[str, Any]) -> list[ClaimedRequest]:
+    raw = driver_connection(session)
+    with raw.pipeline(), raw.cursor() as cursor:
+        raw.execute(NO_SORTS)
+        # A generic plan cannot see the batch list or the limit.
+        cursor.execute(CLAIM_STATEMENTS["only" in params], params, prepare=False)
+        rows = cursor.fetchall()
+    claimed = [ClaimedRequest(*row) for row in rows]
     claimed.sort(key=lambda r: r.id)
     return claimed
 
@@ -178,11 +250,9 @@ def _take(
     lapsed_before: float | None = None,
 ) -> list[ClaimedRequest]:
     """Lease up to ``limit`` rows of ``model`` in ``status`` with ``deadline > after`` in the
-    batches ``batch_ids``, in deadline order, skipping rows another transaction holds; with
-    ``lapsed_before`` only rows whose lease ran out before it. One statement: the ordered,
-    locking range scan as the subquery of the UPDATE that leases the rows and returns them
-    (a SELECT of the ids and then an UPDATE of them cost twice the heap work and sent the ids
-    back and forth: 200 vs 60 µs per row under load, issue 14)."""
+    batches ``batch_ids``, in deadline order; with ``lapsed_before`` only rows whose lease ran
+    out before it (SQLite: ``claim`` on PostgreSQL is one statement). One statement: the
+    ordered range scan as the subquery of the UPDATE that leases the rows and returns them."""
     owner, lease_until = lease
     params: dict[str, Any] = {
         "p_model": model,
@@ -195,7 +265,7 @@ def _take(
     }
     if lapsed_before is not None:
         params["p_lapsed_before"] = lapsed_before
-    statement = _take_statement(lapsed_before is not None, is_postgres(session))
+    statement = _take_statement(lapsed_before is not None)
     # On the session's connection, not ``session.execute``: the ORM's bulk-update path
     # (``synchronize_session``, its result handling) cost 2-3x the rows' own decoding, and
     # nothing here needs the identity map.
@@ -204,7 +274,7 @@ def _take(
 
 
 @cache
-def _take_statement(lapsed: bool, postgres: bool) -> Any:
+def _take_statement(lapsed: bool) -> Any:
     """``_take``'s statement, built once per kind with its values as bound parameters (building
     it per claim cost ~1 ms of an engine worker's CPU, twice a claim)."""
     picked = (
@@ -220,18 +290,9 @@ def _take_statement(lapsed: bool, postgres: bool) -> Any:
     )
     if lapsed:
         picked = picked.where(RequestLine.lease_expires_at < bindparam("p_lapsed_before"))
-    locked = picked.with_for_update(skip_locked=True, of=RequestLine)
-    # PostgreSQL: ``id = ANY(ARRAY(subquery))``, the ids picked once (an InitPlan) and then
-    # looked up by primary key; as ``id IN (subquery)`` the planner hash-joined a scan of the
-    # whole table to them (tests/test_claim_plan.py).
-    match = (
-        RequestLine.id == any_(func.ARRAY(locked.scalar_subquery()))
-        if postgres
-        else RequestLine.id.in_(locked)
-    )
     return (
         update(RequestLine)
-        .where(match)
+        .where(RequestLine.id.in_(picked))
         .values(
             status=LineStatus.RUNNING,
             lease_owner=bindparam("p_owner"),
