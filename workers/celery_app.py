@@ -68,7 +68,7 @@ def install_stop_handling(role: str, stop_timeout: float) -> None:
         if signals_seen > 1:
             force_exit(f"{sig} during shutdown")
         log.info("%s: stopping within %.0f s (a second signal exits at once)", sig, stop_timeout)
-        lifecycle.request_stop()
+        lifecycle.request_stop(within=stop_timeout)
         timer = threading.Timer(
             stop_timeout, force_exit, args=(f"not stopped {stop_timeout:.0f} s after {sig}",)
         )

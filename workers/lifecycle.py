@@ -10,13 +10,26 @@ may set or read it while the loop runs.
 from __future__ import annotations
 
 import threading
+import time
 
 _stop = threading.Event()
+#: ``time.monotonic()`` by which the process must have stopped, if the request set one.
+_deadline: float | None = None
 
 
-def request_stop() -> None:
-    """Ask the runner loop of this process to hand its work back and return."""
+def request_stop(within: float | None = None) -> None:
+    """Ask the runner loop of this process to hand its work back and return; ``within``: the
+    seconds it has before the process is made to exit (``stop_deadline``)."""
+    global _deadline
+    if within is not None:
+        _deadline = time.monotonic() + within
     _stop.set()
+
+
+def stop_deadline() -> float | None:
+    """When (``time.monotonic()``) the process will be made to exit after ``request_stop``,
+    or ``None`` if the request named no time."""
+    return _deadline if _stop.is_set() else None
 
 
 def stop_requested() -> bool:
@@ -26,4 +39,6 @@ def stop_requested() -> bool:
 
 def reset() -> None:
     """Clear the request (tests, and a worker that decided to carry on)."""
+    global _deadline
+    _deadline = None
     _stop.clear()

@@ -90,6 +90,9 @@ MAX_PENDING_LINES = 512
 #: ``writeback.MAX_IN_FLIGHT`` writes of ``MAX_PENDING_LINES`` each. 1 MiB: 2,400 bench
 #: control lines (≈ 430 bytes each), 600 lines of 384-dimension embeddings.
 MAX_HELD_BYTES = 1 << 20
+#: Seconds a stopping runner leaves before its stop's deadline for the engine to close and the
+#: process to exit, when it keeps retrying a write-back (``Runner._hand_back_all``).
+STOP_MARGIN_SECONDS = 5.0
 
 
 @dataclass
@@ -833,12 +836,29 @@ class Runner:
 
     def _hand_back_all(self) -> None:
         """The worker is stopping: abort what runs, write what finished, and hand every held
-        line back to pending without counting an attempt (nothing went wrong with them)."""
+        line back to pending without counting an attempt (nothing went wrong with them).
+
+        The finished lines' results are the only copy: while the database is unreachable the
+        write-back is tried again every ``flush_seconds`` until ``STOP_MARGIN_SECONDS`` before
+        the stop's deadline (``lifecycle.stop_deadline``), rather than left to be run again
+        once their leases run out (a stop during a database restart lost them so)."""
         self._settle_claim()
         running = self.held.take_running(lambda _h: True)
         queued = self.held.take_queued(lambda _h: True)
         self._abort_quietly([h.request_id for h in running])
         self._flush()
+        deadline = lifecycle.stop_deadline()
+        while self.writer.pending and deadline is not None:
+            pause = self.settings.flush_seconds
+            if time.monotonic() + pause + STOP_MARGIN_SECONDS > deadline:
+                log.warning(
+                    "stopping with %d results unwritten (the database is unreachable): their "
+                    "lines run again once their leases run out",
+                    len(self.writer.pending),
+                )
+                break
+            time.sleep(pause)
+            self._flush()
         self.writer.release([h.row for h in (*running, *queued)], count_attempt=False)
         if running or queued:
             log.info("stopping: %d lines handed back to pending", len(running) + len(queued))
