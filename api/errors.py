@@ -1,6 +1,7 @@
 """One error hierarchy; each class carries its HTTP status and renders in OpenAI's error shape.
 
-Every client mistake maps to a 4xx here; a 500 is only ever our bug.
+Every client mistake maps to a 4xx here; a 500 is only ever our bug. A database that cannot be
+reached is neither: a 503 with ``Retry-After`` (``install_error_handlers``).
 """
 
 from __future__ import annotations
@@ -11,15 +12,26 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from api.schemas import ErrorResponse
 from offpeak.endpoints import anthropic_messages
 from offpeak.wire import error_object
+from storage.errors import is_unavailable
 
 log = logging.getLogger(__name__)
+
+#: Seconds a 503 asks the client to wait (``Retry-After``) while the database is unavailable
+#: (``/readyz``'s too). The official SDKs retry a 503 by themselves, ``max_retries`` times (2 by
+#: default), each after the ``Retry-After`` seconds when they are at most two minutes
+#: (``openai`` 3.57, ``openai/_base_client.py``: ``_should_retry`` retries any status >= 500,
+#: ``_calculate_retry_timeout`` honours the header up to ``MAX_RETRY_AFTER_DELAY``; ``anthropic``
+#: 2.16's ``_base_client.py`` retries >= 500 too and waits the header's seconds): a poll loop
+#: rides through a restart of about ten seconds without seeing an error.
+RETRY_AFTER_SECONDS = 5
 
 
 class ApiError(Exception):
@@ -93,6 +105,8 @@ _STATUS_DESCRIPTIONS = {
     "request with the same Idempotency-Key is still running.",
     413: "The request body is larger than the limit.",
     422: "The request body is not valid JSON, or its Idempotency-Key was used with another body.",
+    503: "The database is unavailable right now (code database_unavailable); retry after the "
+    "seconds in Retry-After.",
 }
 
 
@@ -111,21 +125,44 @@ def _param_from_loc(loc: tuple[object, ...]) -> str | None:
     return ".".join(parts) or None
 
 
+def _database_unavailable_response(path: str) -> dict[str, Any]:
+    """The OpenAPI response of a 503 (``database_unavailable``) on ``path``, in its surface's
+    error shape, with its ``Retry-After`` header."""
+    schema, description = "ErrorResponse", _STATUS_DESCRIPTIONS[503]
+    if anthropic_messages.on_surface(path):
+        schema = "AnthropicErrorResponse"
+        description = "api_error: the database is unavailable right now; retry after the "
+        description += "seconds in Retry-After."
+    return {
+        "description": description,
+        "headers": {
+            "Retry-After": {
+                "description": "Seconds to wait before retrying.",
+                "schema": {"type": "integer"},
+            }
+        },
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
+    }
+
+
 def _document_errors_as_sent(app: FastAPI) -> None:
     """Drop the 422 that FastAPI declares on every route with parameters (its
     ``HTTPValidationError`` body): the handlers below answer a bad parameter with a 400 in
     OpenAI's shape, and a 422 only for a JSON body that does not parse, which the routes that
-    take one declare themselves (``error_responses(..., 422)``)."""
+    take one declare themselves (``error_responses(..., 422)``). Declare the 503 every ``/v1``
+    route answers while the database is unavailable."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             document = build()
-            for operations in document.get("paths", {}).values():
+            for path, operations in document.get("paths", {}).items():
                 for operation in operations.values():
                     declared = operation.get("responses", {}).get("422", {})
                     if "HTTPValidationError" in str(declared.get("content")):
                         del operation["responses"]["422"]
+                    if path.startswith("/v1/"):
+                        operation["responses"]["503"] = _database_unavailable_response(path)
             schemas = document.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(name, None)
@@ -188,6 +225,33 @@ def install_error_handlers(app: FastAPI) -> None:
         # a bad value, not a server fault. The session has already rolled back.
         message = "A value in the request cannot be stored or looked up (e.g. a NUL character)."
         return _respond(request, error_object(message, code="invalid_value"), status_code=400)
+
+    async def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+        # The database is down, restarting or out of connections: nothing the client sent is
+        # wrong and a retry will do, so a 503 it retries rather than a 500. Any other error of
+        # these classes is our bug, raised on to the 500 and its traceback.
+        if not is_unavailable(exc):
+            raise exc
+        # One line, no traceback: the cause is outside this process and the stack would be the
+        # same for every request refused while it lasts (``/readyz`` says the same).
+        cause = getattr(exc, "orig", None) or exc
+        log.warning(
+            "database unavailable: %s %s answered 503 (%s: %s)",
+            request.method,
+            request.url.path,
+            type(cause).__name__,
+            str(cause).strip().splitlines()[0] if str(cause).strip() else "",
+        )
+        body = error_object(
+            "The database is unavailable right now; retry in a few seconds.",
+            type="server_error",
+            code="database_unavailable",
+        )
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+        return _respond(request, body, status_code=503, headers=headers)
+
+    for unavailable in (OperationalError, InterfaceError, PoolTimeoutError):
+        app.add_exception_handler(unavailable, _database_unavailable)
 
     @app.exception_handler(UnicodeEncodeError)
     async def _unencodable(request: Request, exc: UnicodeEncodeError) -> JSONResponse:

@@ -12,6 +12,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from api.deps import SettingsDep
+from api.errors import RETRY_AFTER_SECONDS
 from api.schemas_health import ErrorResponse, Health, Ready
 from api.services import health as health_service
 from offpeak.wire import error_object
@@ -40,4 +41,6 @@ def readyz(settings: SettingsDep) -> Ready | JSONResponse:
         return health_service.readiness(settings)
     except health_service.NotReady as exc:
         body = error_object(exc.message, type="server_error", code=exc.code)
-        return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+        return JSONResponse(
+            body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+        )

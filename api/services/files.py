@@ -52,7 +52,13 @@ def upload(
     """Store an uploaded file, reading ``stream`` in 1 MiB pieces (never whole).
 
     Raises ``BadRequest`` (purpose, expiry, non-UTF-8 bytes) or ``PayloadTooLarge`` (over
-    ``settings.max_file_bytes``). Nothing is stored when it raises.
+    ``settings.max_file_bytes``), and what the row's insert raises (the database unavailable:
+    the API's 503). Nothing is stored when it raises: the bytes are deleted again.
+
+    One gap: when the request's commit fails after this returned (the database went away
+    between the insert and the commit), the bytes stay under ``files/<id>`` with no row: never
+    listed, served, billed nor swept. They are kept because a commit cut off mid-way may still
+    have committed, and deleting them would leave a listed file without its bytes.
     """
     if purpose not in UPLOAD_PURPOSES:
         raise BadRequest(
