@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,11 +27,17 @@ from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import Settings
 from storage.db import session_scope
 from tests.inprocess_engine import close_smollm2_engine
-from tests.services import free_port, own_postgres, own_redis  # noqa: F401 (fixtures for all)
+from tests.services import (  # noqa: F401 (fixtures for all)
+    free_port,
+    own_postgres,
+    own_redis,
+    redis_server,
+)
 from tests.tree_check import tracked_files_unchanged
 
 PG_ADMIN = os.environ.get("OFFPEAK_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
-REDIS_URL = os.environ.get("OFFPEAK_TEST_REDIS", "redis://127.0.0.1:6379/7")
+#: A Redis for the run to use instead of a throwaway server of its own (``broker_url``).
+SHARED_REDIS_URL = os.environ.get("OFFPEAK_TEST_REDIS")
 #: Input cases from users' bug reports, copied from the workspace's shared/cases so a clone
 #: carries them; OFFPEAK_CASES_DIR points the tests at another copy.
 CASES = Path(os.environ.get("OFFPEAK_CASES_DIR", Path(__file__).resolve().parent / "cases"))
@@ -85,10 +92,22 @@ def database_url(run_id: str) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def broker_url(run_id: str) -> Iterator[str]:
-    yield REDIS_URL
-    client = redis.Redis.from_url(REDIS_URL)
-    # The session's queues and kombu's exchange bindings (``_kombu.binding.<queue prefix>...``):
-    # every queue prefix of the session starts with the run id.
+    """The run's Redis: a throwaway ``redis-server`` of the session's own, gone with it, so the
+    run leaves nothing in the machine's Redis. (On a shared server, kombu's own bookkeeping —
+    ``unacked``, ``unacked_index``, ``_kombu.binding_deadlines``, the pidbox bindings — outlives
+    the run under names no queue prefix identifies, and a killed worker's reserved messages stay
+    in ``unacked``.) ``OFFPEAK_TEST_REDIS`` points the run at a running server instead (db 7 of
+    the local one when ``redis-server`` is not installed); then the run's queues and bindings are
+    deleted afterwards, by the run id in their names."""
+    shared = SHARED_REDIS_URL
+    if shared is None and shutil.which("redis-server") is None:
+        shared = "redis://127.0.0.1:6379/7"
+    if shared is None:
+        with redis_server() as server:
+            yield server.url(0)
+        return
+    yield shared
+    client = redis.Redis.from_url(shared)
     for key in client.scan_iter(f"*{run_id}*"):
         client.delete(key)
 

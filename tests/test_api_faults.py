@@ -27,7 +27,7 @@ from storage.models import Batch, RequestLine
 from storage.repositories import batches as batches_repo
 from storage.repositories import requests as requests_repo
 from storage.repositories import scheduler as scheduler_repo
-from tests.conftest import REDIS_URL, fresh_database, new_key
+from tests.conftest import fresh_database, new_key
 
 LINE = (
     b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": '
@@ -280,7 +280,7 @@ def own_sdk(http: TestClient, settings: Settings) -> OpenAI:
 
 def queued(settings: Settings, task: str) -> list[str]:
     """The argument lists (as Celery's ``argsrepr``) of ``task`` messages queued in Redis."""
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis.Redis.from_url(settings.resolved_broker_url)
     found = []
     for raw in client.lrange(queues.control_queue(settings), 0, -1):
         headers = json.loads(raw)["headers"]
@@ -317,7 +317,7 @@ def test_broker_down_after_commit_still_answers_and_the_sweep_resends(
 
     from workers import tasks
 
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis.Redis.from_url(own_settings.resolved_broker_url)
     client.delete(queues.control_queue(own_settings))
     monkeypatch.setattr(tasks, "get_settings", lambda: own_settings)
     try:

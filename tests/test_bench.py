@@ -21,14 +21,14 @@ from bench.generator import (
 from bench.report import e2e_markdown
 from offpeak.cli import app
 from offpeak.settings import ModelConfig
-from tests.conftest import PG_ADMIN, REDIS_URL
+from tests.conftest import PG_ADMIN
 from workers.engine.vllm_engine import engine_kwargs
 
 
 @pytest.fixture(autouse=True)
-def _services(monkeypatch: pytest.MonkeyPatch) -> None:
+def _services(monkeypatch: pytest.MonkeyPatch, broker_url: str) -> None:
     monkeypatch.setattr(harness, "PG_ADMIN", PG_ADMIN)
-    monkeypatch.setattr(harness, "REDIS_URL", REDIS_URL)
+    monkeypatch.setattr(harness, "REDIS_URL", broker_url)
 
 
 def test_chat_requests_are_deterministic_and_mixed(tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ from storage.db import session_scope
 from storage.models import Batch, File, LedgerEntry, QueuedMessage
 from storage.repositories import batches as batches_repo
 from storage.repositories import requests as requests_repo
-from tests.conftest import REDIS_URL, fresh_database, settings_from
+from tests.conftest import fresh_database, settings_from
 from tests.helpers import line
 from workers.finalize import finalize
 from workers.validation import run_validation
@@ -71,7 +71,7 @@ def settings(module_settings: Settings, run_id: str) -> Iterator[Settings]:
             "flush_seconds": 0.05,
         }
     )
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis.Redis.from_url(module_settings.resolved_broker_url)
     for key in client.scan_iter(f"*{prefix}*"):
         client.delete(key)
 
@@ -112,7 +112,7 @@ class Broker:
     """The test's view of the Redis queues: count, peek, and run messages as a worker would."""
 
     def __init__(self, settings: Settings) -> None:
-        self.client = redis.Redis.from_url(REDIS_URL)
+        self.client = redis.Redis.from_url(settings.resolved_broker_url)
         self.control = queues.control_queue(settings)
         self.model = queues.model_queue(settings, MODEL)
 

@@ -150,7 +150,7 @@ def claim(
     # deadline is whole seconds: deadline > at  <=>  deadline > floor(at), an integer bound.
     after = math.floor(at)
     if is_postgres(session):
-        return _claim_pg(session, claim_params(model, limit, owner, lease_until, at, batch_ids))
+        return _claim_pg(session, _claim_params(model, limit, owner, lease_until, at, batch_ids))
     running = set(session.scalars(select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS)))
     if batch_ids is not None:
         running &= set(batch_ids)
@@ -205,7 +205,7 @@ def _claim_statement(only: bool) -> str:
 CLAIM_STATEMENTS = {only: _claim_statement(only) for only in (False, True)}
 
 
-def claim_params(
+def _claim_params(
     model: str,
     limit: int,
     owner: str,
