@@ -5,9 +5,10 @@ and the runner's items of part 6). On real PostgreSQL, with engines that fail on
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psycopg
@@ -16,6 +17,7 @@ from openai import OpenAI
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+import migrations
 from offpeak.settings import ModelConfig, SchedulerSettings, Settings
 from storage.blobs import get_blob_store
 from storage.db import session_scope
@@ -24,6 +26,7 @@ from storage.models import RequestLine
 from storage.repositories import requests as requests_repo
 from storage.repositories.requests import FinishedLine, TokenCounts
 from tests.helpers import check_billed_once, check_ran_batch, line, tenant_client
+from tests.services import PostgresServer
 from tests.test_runner import make
 from workers.engine.base import EngineFault, EngineRequest, EngineResult
 from workers.engine.instant import InstantEngine
@@ -619,3 +622,63 @@ def test_a_worker_whose_lease_was_taken_over_bills_nothing_for_it(
     output, _ = check_ran_batch(sdk, batch, ids)
     assert len(output) == 6
     check_billed_once(url, batch)
+
+
+@pytest.fixture()
+def own_server_settings(settings: Settings, own_postgres: PostgresServer) -> Iterator[Settings]:
+    """``settings`` on a database of a PostgreSQL server of this module's own, free to stop."""
+    url = own_postgres.create_database(f"offpeak_faults_{secrets.token_hex(3)}")
+    migrations.upgrade(url)
+    yield settings.model_copy(update={"database_url": url})
+    from storage.db import get_engine, get_read_engine
+
+    get_engine(url).dispose()  # this process's pools, before the server goes away
+    get_read_engine(url).dispose()
+
+
+def test_a_stop_while_the_database_server_is_down_loses_nothing_and_runs_nothing_twice(
+    own_server_settings: Settings, own_postgres: PostgresServer
+) -> None:
+    """Fault injected for real: the PostgreSQL server is stopped (``pg_ctl -m fast``: open
+    connections cut) while a drain runs, and SIGTERM's stop request (with its deadline) comes
+    during the outage; the server starts again 2 s later. The stopping runner's write-backs and
+    hand-back fail until then and are tried again: the finished lines are stored, the rest go
+    back to pending, and a second worker finishes the batch with every custom_id once in the
+    files and every line billed once (the injected-error test above is the unit version)."""
+    from workers import lifecycle
+
+    settings = own_server_settings
+    tenant, sdk = tenant_client(settings)
+    ids = [f"r{i}" for i in range(200)]
+    batch_id = make(settings, tenant, [line(i, model=MODEL) for i in ids])
+    back = threading.Event()
+
+    def outage(step: int, _queued: dict[str, EngineRequest]) -> bool:
+        if step == 20:
+            own_postgres.stop("fast")  # returns once the server is down
+            lifecycle.request_stop(within=30.0)
+
+            def start_again() -> None:
+                own_postgres.start()
+                back.set()
+
+            threading.Timer(2.0, start_again).start()
+        return False
+
+    try:
+        stats = Runner(settings, DyingEngine(outage), "w-real-outage").drain()
+    finally:
+        lifecycle.reset()
+        back.wait(timeout=60)
+    assert back.is_set() and stats.outcome == "stopped"
+    states = [(r.status, r.attempts) for r in rows(settings, batch_id)]
+    assert {s for s, _ in states} == {"succeeded", "pending"}, "none left leased or failed"
+    assert 15 <= sum(s == "succeeded" for s, _ in states) <= 20, states
+    assert {a for s, a in states if s == "pending"} == {0}, "a stop is not a failed attempt"
+
+    assert Runner(settings, InstantEngine(MODEL), "w-after").drain().outcome == "drained"
+    assert finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id).done
+    batch = sdk.batches.retrieve(batch_id)
+    output, errors = check_ran_batch(sdk, batch, ids)
+    assert batch.status == "completed" and len(output) == 200 and not errors
+    check_billed_once(settings.resolved_database_url, batch)
