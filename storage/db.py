@@ -27,7 +27,7 @@ from sqlalchemy import (
     create_engine,
     event,
 )
-from sqlalchemy.engine import Dialect
+from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -53,7 +53,24 @@ def get_engine(url: str) -> Engine:
             cursor.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(
+        url, pool_pre_ping=True, pool_size=10, max_overflow=20, connect_args=_pg_connect_args(url)
+    )
+
+
+#: Seconds a new PostgreSQL connection may take before it fails (libpq's ``connect_timeout``,
+#: none by default): a server that does not answer (a host gone, a network partition, a hung
+#: server that took the TCP connection) then gives an ``OperationalError`` — the API's 503, a
+#: worker's transient error — in seconds, rather than after the kernel's SYN retries (≈ 2
+#: minutes on Linux) or never, with a request thread held the whole time.
+CONNECT_TIMEOUT_SECONDS = 10
+
+
+def _pg_connect_args(url: str) -> dict[str, Any]:
+    """``CONNECT_TIMEOUT_SECONDS`` as psycopg's connection parameter, unless the URL sets its
+    own (``?connect_timeout=…`` wins)."""
+    given = make_url(url).query
+    return {} if "connect_timeout" in given else {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
 
 
 @lru_cache(maxsize=8)
@@ -80,7 +97,12 @@ def get_read_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         return get_engine(url).execution_options(isolation_level="AUTOCOMMIT")
     return create_engine(
-        url, isolation_level="AUTOCOMMIT", pool_size=20, max_overflow=0, json_deserializer=_loads
+        url,
+        isolation_level="AUTOCOMMIT",
+        pool_size=20,
+        max_overflow=0,
+        json_deserializer=_loads,
+        connect_args=_pg_connect_args(url),
     )
 
 

@@ -14,8 +14,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -241,3 +244,86 @@ def test_only_an_unavailable_database_is_a_503(settings: Settings) -> None:
     http = TestClient(app, raise_server_exceptions=False)  # no lifespan: no database needed
     assert http.get("/v1/deadlock").status_code == 500
     openai_503(http.get("/v1/refused"))
+
+
+class SilentProxy:
+    """A TCP proxy on 127.0.0.1 to ``port``; once ``silence()``d it still takes connections but
+    passes nothing either way, as a hung host or a half-open network does."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.silent = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.sockets: list[socket.socket] = [self.server]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return  # closed
+            self.sockets.append(client)
+            if self.silent.is_set():
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self.sockets.append(upstream)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if self.silent.is_set():
+                    return
+                sink.sendall(data)
+
+    def silence(self) -> None:
+        self.silent.set()
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+def test_a_database_that_never_answers_is_a_503_not_a_hung_request(
+    outage_settings: Settings, own_postgres: PostgresServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database's host stops answering while the API runs (a hung host, a half-open
+    network: a proxy in front of the module's server takes connections and passes nothing).
+    libpq would wait for the server's first message forever, holding the request's thread;
+    with ``storage.db.CONNECT_TIMEOUT_SECONDS`` (1 s here) the request answers 503 instead. The
+    request runs in a thread, so that a hang fails the test rather than stalling the run."""
+    from storage import db
+
+    monkeypatch.setattr(db, "CONNECT_TIMEOUT_SECONDS", 1)
+    proxy = SilentProxy(own_postgres.port)
+    database = outage_settings.resolved_database_url.rsplit("/", 1)[1]
+    url = f"postgresql+psycopg://postgres@127.0.0.1:{proxy.port}/{database}"
+    answers: list[Any] = []
+    try:
+        settings = outage_settings.model_copy(update={"database_url": url})
+        key = new_key(settings)
+        with TestClient(create_app(settings), raise_server_exceptions=False) as http:
+            headers = {"Authorization": f"Bearer {key}"}
+            assert http.get("/v1/batches", headers=headers).status_code == 200
+            get_engine(url).dispose()  # the pools' next connections are new ones
+            get_read_engine(url).dispose()
+            proxy.silence()
+
+            def poll() -> None:
+                answers.append(http.get("/v1/batches", headers=headers))
+
+            thread = threading.Thread(target=poll, daemon=True)
+            thread.start()
+            thread.join(timeout=60)
+    finally:
+        proxy.close()
+        get_engine(url).dispose()
+        get_read_engine(url).dispose()
+    assert answers, "the request hung on a database that never answers"
+    response = answers[0]
+    assert response.status_code == 503 and response.headers["retry-after"] == "5"
+    assert response.json()["error"]["code"] == "database_unavailable"
