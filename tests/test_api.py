@@ -196,12 +196,13 @@ def test_cancel_states(sdk: OpenAI, settings: Settings) -> None:
     from storage.db import session_scope
     from storage.repositories import batches as batches_repo
 
-    with session_scope(settings.resolved_database_url) as session:
-        row = batches_repo.get_any(session, batch.id)
-        assert row is not None
-        row.status = "completed"
-    with pytest.raises(openai.ConflictError):
-        sdk.batches.cancel(batch.id)
+    for ended in ("cancelled", "completed"):  # finished: 409, as the contract says
+        with session_scope(settings.resolved_database_url) as session:
+            row = batches_repo.get_any(session, batch.id)
+            assert row is not None
+            row.status = ended
+        with pytest.raises(openai.ConflictError):
+            sdk.batches.cancel(batch.id)
 
 
 def test_models(sdk: OpenAI) -> None:

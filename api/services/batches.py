@@ -184,8 +184,10 @@ def page(
 def cancel(session: Session, settings: Settings, tenant_id: str, batch_id: str) -> Batch:
     """Move a running batch to ``cancelling``; a control worker ends it as ``cancelled``.
 
-    Idempotent for a batch already cancelling or cancelled. Raises ``Conflict`` (409) for a
-    batch that has finished or is finalizing, ``NotFound`` for an unknown id.
+    Idempotent for a batch already cancelling (a retried cancel answers the batch again).
+    Raises ``Conflict`` (409) for a batch that has finished, ``cancelled`` included, or is
+    finalizing (the contract, ``batch-api.md``: "a finished batch answers 409"), ``NotFound``
+    for an unknown id.
 
     Answers at once while the batch is being validated: the row lock taken here does not wait
     for validation's ``COPY`` (``no_key``), and validation, seeing ``cancelling`` when it ends,
@@ -194,7 +196,7 @@ def cancel(session: Session, settings: Settings, tenant_id: str, batch_id: str) 
     get(session, tenant_id, batch_id)
     batch = batches_repo.get_for_update(session, batch_id, no_key=True, refresh=True)
     assert batch is not None
-    if batch.status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
+    if batch.status == BatchStatus.CANCELLING:
         return batch
     if batch.status not in CANCELLABLE:
         raise Conflict(f"Cannot cancel a batch with status {batch.status!r}.", param="batch_id")
