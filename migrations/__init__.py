@@ -30,8 +30,12 @@ def revisions(database_url: str) -> tuple[str | None, str | None]:
     from alembic.script import ScriptDirectory
     from sqlalchemy import create_engine, pool
 
+    from storage.db import connect_args
+
     head = ScriptDirectory.from_config(alembic_config(database_url)).get_current_head()
-    engine = create_engine(database_url, poolclass=pool.NullPool)
+    engine = create_engine(
+        database_url, poolclass=pool.NullPool, connect_args=connect_args(database_url)
+    )
     try:
         with engine.connect() as connection:
             current = MigrationContext.configure(connection).get_current_revision()

@@ -6,6 +6,7 @@ from alembic import context
 from sqlalchemy import create_engine, pool
 
 from offpeak.settings import get_settings
+from storage.db import connect_args
 from storage.models import Base
 
 config = context.config
@@ -14,7 +15,7 @@ target_metadata = Base.metadata
 
 def run_migrations_online() -> None:
     url = config.get_main_option("sqlalchemy.url") or get_settings().resolved_database_url
-    connectable = create_engine(url, poolclass=pool.NullPool)
+    connectable = create_engine(url, poolclass=pool.NullPool, connect_args=connect_args(url))
     with connectable.connect() as connection:
         context.configure(
             connection=connection,

@@ -54,7 +54,7 @@ def get_engine(url: str) -> Engine:
 
         return engine
     return create_engine(
-        url, pool_pre_ping=True, pool_size=10, max_overflow=20, connect_args=_pg_connect_args(url)
+        url, pool_pre_ping=True, pool_size=10, max_overflow=20, connect_args=connect_args(url)
     )
 
 
@@ -66,11 +66,14 @@ def get_engine(url: str) -> Engine:
 CONNECT_TIMEOUT_SECONDS = 10
 
 
-def _pg_connect_args(url: str) -> dict[str, Any]:
-    """``CONNECT_TIMEOUT_SECONDS`` as psycopg's connection parameter, unless the URL sets its
-    own (``?connect_timeout=…`` wins)."""
-    given = make_url(url).query
-    return {} if "connect_timeout" in given else {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
+def connect_args(url: str) -> dict[str, Any]:
+    """The ``connect_args`` of every engine on ``url`` (the pools here, the migrations'):
+    for PostgreSQL ``CONNECT_TIMEOUT_SECONDS`` as psycopg's ``connect_timeout``, unless the URL
+    sets its own (``?connect_timeout=…`` wins); nothing for another database."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "postgresql" or "connect_timeout" in parsed.query:
+        return {}
+    return {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
 
 
 @lru_cache(maxsize=8)
@@ -102,7 +105,7 @@ def get_read_engine(url: str) -> Engine:
         pool_size=20,
         max_overflow=0,
         json_deserializer=_loads,
-        connect_args=_pg_connect_args(url),
+        connect_args=connect_args(url),
     )
 
 

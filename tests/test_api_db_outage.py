@@ -327,3 +327,35 @@ def test_a_database_that_never_answers_is_a_503_not_a_hung_request(
     response = answers[0]
     assert response.status_code == 503 and response.headers["retry-after"] == "5"
     assert response.json()["error"]["code"] == "database_unavailable"
+
+
+def test_an_api_starting_on_a_database_that_never_answers_fails_instead_of_hanging(
+    outage_settings: Settings, own_postgres: PostgresServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The API's start reads the schema revision (``migrations.revisions``, an engine of its
+    own): on a silent database it fails with the connect timeout (1 s here) and says why,
+    rather than waiting forever before its first request."""
+    from storage import db
+
+    monkeypatch.setattr(db, "CONNECT_TIMEOUT_SECONDS", 1)
+    proxy = SilentProxy(own_postgres.port)
+    proxy.silence()
+    database = outage_settings.resolved_database_url.rsplit("/", 1)[1]
+    url = f"postgresql+psycopg://postgres@127.0.0.1:{proxy.port}/{database}"
+    outcome: list[BaseException | None] = []
+
+    def start() -> None:
+        try:
+            with TestClient(create_app(outage_settings.model_copy(update={"database_url": url}))):
+                outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    try:
+        thread = threading.Thread(target=start, daemon=True)
+        thread.start()
+        thread.join(timeout=60)
+    finally:
+        proxy.close()
+    assert outcome, "the API's start hung on a database that never answers"
+    assert isinstance(outcome[0], OperationalError), outcome
