@@ -25,7 +25,8 @@ def new_ids(*prefixes: str) -> list[str]:
     takes three ids: a ``secrets`` call per id was a third of building its record, and a
     system call per line on the runner's write-back thread waited for the GIL each time."""
     stamp = f"{time.time_ns() // 1000:013x}"
-    return [f"{p}{stamp}{_random_hex(11)}" for p in prefixes]
+    digits = _random_hex(11 * len(prefixes))  # one read of the pool for all of them
+    return [f"{p}{stamp}{digits[11 * i : 11 * i + 11]}" for i, p in enumerate(prefixes)]
 
 
 #: Hex digits read from ``os.urandom`` at a time, per thread (``_random_hex``).

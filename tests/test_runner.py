@@ -282,6 +282,40 @@ def test_a_write_back_the_database_refuses_is_raised_and_changes_nothing(
     assert sorted(e["custom_id"] for e in errors) == ids
 
 
+def test_results_travel_as_one_text_split_at_a_control_character_json_never_holds(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI]
+) -> None:
+    """The write-back sends its results as one text split on the server at U+001E (an empty
+    result, U+001F, is NULL): JSON text never holds either unescaped. Results with quotes,
+    backslashes, commas, braces and escaped control characters come back byte for byte, a
+    never-ran line's stays NULL, and a result that is not JSON text and holds the separator is
+    refused before anything is sent."""
+    tenant, _sdk = tenant_sdk
+    batch_id = make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(4)])
+    url = settings.resolved_database_url
+    with session_scope(url) as session:
+        held = requests_repo.claim(
+            session, model=MODEL, limit=10, owner="w", lease_until=time.time() + 60, at=time.time()
+        )
+    texts = ['{"a":"x,y"}', '{"b":"q\\"uote\\\\ {}"}', '{"c":"\\u001e\\u001f"}']
+    odd = [FinishedLine(held[0].id, batch_id, "failed", time.time(), 400, "x\x1ey")]
+    with pytest.raises(ValueError, match="not JSON text"), session_scope(url) as session:
+        requests_repo.write_results(session, "w", odd)
+    lines = [
+        FinishedLine(r.id, batch_id, "failed", time.time(), 400, text)
+        for r, text in zip(held, texts, strict=False)
+    ] + [FinishedLine(held[3].id, batch_id, "cancelled", time.time())]
+    with session_scope(url) as session:
+        assert requests_repo.write_results(session, "w", lines) == {r.id for r in held}
+    with session_scope(url) as session:
+        stored = dict(
+            session.execute(
+                select(RequestLine.id, RequestLine.result).where(RequestLine.batch_id == batch_id)
+            ).all()
+        )
+    assert [stored[r.id] for r in held] == [*texts, None]
+
+
 @pytest.mark.parametrize("path", ["pipeline", "stepwise"])
 def test_a_write_back_stores_only_held_lines_bills_answered_ones_and_reports_lost_leases(
     settings: Settings, tenant_sdk: tuple[str, OpenAI], path: str

@@ -74,7 +74,9 @@ def _answer_fields(prepared: Prepared, result: EngineResult, created: int) -> di
     line_id, request_id, response_id = new_ids(
         "batch_req_", "req_", endpoints.get(prepared.endpoint).response_id_prefix
     )
+    # In the record's order (``records.dump_answer`` then writes the dict as it is).
     return {
+        "record": "answer",
         "endpoint": prepared.endpoint,
         "model": prepared.model,
         "created": created,

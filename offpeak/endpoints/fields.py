@@ -7,6 +7,7 @@ Limits follow OpenAI's API reference (Chat Completions / Completions, "Request b
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Protocol
 
 from pydantic import ConfigDict, ValidationInfo
@@ -105,17 +106,48 @@ def sampling(
     logprobs: int | None,
     structured_output: StructuredOutput | None = None,
 ) -> SamplingSpec:
-    """The ``SamplingSpec`` of a parsed body, with OpenAI's defaults for what it leaves out."""
+    """The ``SamplingSpec`` of a parsed body, with OpenAI's defaults for what it leaves out.
+    Lines asking the same share one (immutable) spec (``_spec``)."""
+    return _spec(
+        max_tokens,
+        _or(body.temperature, 1.0),
+        _or(body.top_p, 1.0),
+        body.n or 1,
+        body.stop,
+        body.seed,
+        logprobs,
+        _or(body.presence_penalty, 0.0),
+        _or(body.frequency_penalty, 0.0),
+        structured_output,
+    )
+
+
+@lru_cache(maxsize=4096)
+def _spec(
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    n: int,
+    stop: tuple[str, ...],
+    seed: int | None,
+    logprobs: int | None,
+    presence_penalty: float,
+    frequency_penalty: float,
+    structured_output: StructuredOutput | None,
+) -> SamplingSpec:
+    """One ``SamplingSpec`` per distinct set of values: a batch's lines mostly ask the same, and
+    building the frozen dataclass was a fifth of preparing a chat line for the engine (issue 14,
+    ``offpeak bench control``)."""
     return SamplingSpec(
         max_tokens=max_tokens,
-        temperature=_or(body.temperature, 1.0),
-        top_p=_or(body.top_p, 1.0),
-        n=body.n or 1,
-        stop=body.stop,
-        seed=body.seed,
+        temperature=temperature,
+        top_p=top_p,
+        n=n,
+        stop=stop,
+        seed=seed,
         logprobs=logprobs,
-        presence_penalty=_or(body.presence_penalty, 0.0),
-        frequency_penalty=_or(body.frequency_penalty, 0.0),
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
         structured_output=structured_output,
     )
 

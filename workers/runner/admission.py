@@ -81,5 +81,6 @@ def prepare_chunk(
             prepared.request.priority = URGENT_PRIORITY
         chunk.ready.append(HeldLine(row, prepared))
     chunk.ready = prefix_order(chunk.ready, lambda h: h.prepared.request.prompt_token_ids)
-    chunk.ready.sort(key=lambda h: h.row.batch_id not in urgent)  # stable: prefixes stay together
+    if urgent:  # stable: lines sharing a prefix stay together
+        chunk.ready.sort(key=lambda h: h.row.batch_id not in urgent)
     return chunk

@@ -65,6 +65,9 @@ class Answered:
     created: int
     finished_at: float
     tokens: TokenCounts
+    #: ``held_bytes`` of this line, counted once when it is answered (the write-back adds it
+    #: when the line is held and takes it off when it is stored).
+    held: int
 
     #: What ``engine_chunks.tokens_by_batch`` and the write-back read of a ``FinishedLine``.
     status = LineStatus.SUCCEEDED
@@ -92,18 +95,22 @@ def answered(
     row: ClaimedRequest, prepared: Prepared, result: EngineResult, created: int, at: float
 ) -> Answered:
     """An answered request, its record built later (``Answered.line``)."""
-    return Answered(row, prepared, result, created, at, _tokens(result))
+    return Answered(row, prepared, result, created, at, _tokens(result), _answer_bytes(row, result))
 
 
 def held_bytes(line: Finished) -> int:
     """What holding ``line`` until it is stored costs, in bytes of its payload: the request
     line as claimed, the completions' text and token ids (8 bytes an id) and an embeddings
-    line's vectors, or a built record's JSON. A proxy for its memory (Python's objects add a
-    constant share), for the write-back's bound (``workers.runner.loop.MAX_HELD_BYTES``)."""
+    line's vectors (``Answered.held``), or a built record's JSON. A proxy for its memory
+    (Python's objects add a constant share), for the write-back's bound
+    (``workers.runner.loop.MAX_HELD_BYTES``)."""
     if isinstance(line, FinishedLine):
         return len(line.result or "")
-    result = line.result
-    size = len(line.row.line_json)
+    return line.held
+
+
+def _answer_bytes(row: ClaimedRequest, result: EngineResult) -> int:
+    size = len(row.line_json)
     for completion in result.completions:
         size += len(completion.text) + 8 * len(completion.token_ids)
     if result.embeddings:

@@ -153,4 +153,5 @@ def prefix_order(items: Sequence[T], tokens: Callable[[T], Sequence[int]]) -> li
     Adjacent requests reach the engine together, so the first one's prefix blocks are still in
     the cache when the rest are prefilled (vLLM's automatic prefix caching).
     """
-    return sorted(items, key=lambda item: tuple(tokens(item)[:PREFIX_KEY_TOKENS]))
+    # Sequences of one engine compare as they are (lists with lists): no tuple copied per item.
+    return sorted(items, key=lambda item: tokens(item)[:PREFIX_KEY_TOKENS])
