@@ -10,7 +10,7 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from bench import e2e, harness
+from bench import e2e, harness, line_cost
 from bench.generator import (
     ASSISTANT_SYSTEM_PROMPT,
     SYSTEM_PROMPT,
@@ -126,6 +126,12 @@ def test_e2e_compares_offpeak_with_the_fastest_raw_leg() -> None:
         "| 2 | (c) Offpeak, upload → output downloaded | 100.0 | 9,400 | 96.0 | **0.960** |" in text
     )
     assert "+30**" in text and "block size 64" in text and ": met)" in text
+
+
+def test_line_cost_takes_every_line_through_the_engine_workers_path() -> None:
+    """``python -m bench.line_cost N`` (the per-line path counted under cachegrind): every line
+    prepared, answered and dumped, over several claims."""
+    assert line_cost.run(2 * line_cost.CHUNK + 7) == 2 * line_cost.CHUNK + 7
 
 
 def test_padded_file_has_the_asked_lines_and_size(tmp_path: Path) -> None:
