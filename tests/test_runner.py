@@ -10,7 +10,7 @@ from unittest.mock import ANY
 
 import pytest
 from openai import OpenAI
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from offpeak.settings import ModelConfig, Settings
 from storage.blobs import get_blob_store
@@ -314,6 +314,44 @@ def test_results_travel_as_one_text_split_at_a_control_character_json_never_hold
             ).all()
         )
     assert [stored[r.id] for r in held] == [*texts, None]
+
+
+def test_finished_rows_stream_in_line_order_and_a_stream_left_early_frees_its_connection(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI]
+) -> None:
+    """``iter_finished`` (finalize's read; on PostgreSQL a binary ``COPY … TO STDOUT``): every
+    row in line order with its result as stored (tabs, newlines, backslashes; NULL for a line
+    that never ran). Finalize can stop reading midway (a render that raises): the copy is ended
+    and the same transaction goes on and commits."""
+    tenant, _sdk = tenant_sdk
+    batch_id = make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(5)])
+    url = settings.resolved_database_url
+    with session_scope(url) as session:
+        held = requests_repo.claim(
+            session, model=MODEL, limit=10, owner="w", lease_until=time.time() + 60, at=time.time()
+        )
+    texts = ['{"a":"\\t\\n"}', '{"b":"\\\\"}', "{}", '{"c":" tab\tand\nline"}']
+    by_line = sorted(held, key=lambda r: r.custom_id)
+    lines = [
+        FinishedLine(r.id, batch_id, "failed", time.time(), 400, text)
+        for r, text in zip(by_line, texts, strict=False)
+    ] + [FinishedLine(by_line[4].id, batch_id, "cancelled", time.time())]
+    with session_scope(url) as session:
+        requests_repo.write_results(session, "w", lines)
+    with session_scope(url) as session:
+        rows = list(requests_repo.iter_finished(session, batch_id))
+    assert rows == [
+        *[(f"r{i}", "failed", text) for i, text in enumerate(texts)],
+        ("r4", "cancelled", None),
+    ]
+    with session_scope(url) as session:
+        stream = requests_repo.iter_finished(session, batch_id)
+        assert next(stream)[0] == "r0"
+        stream.close()  # left after one row
+        first = (RequestLine.batch_id == batch_id) & (RequestLine.custom_id == "r0")
+        session.execute(update(RequestLine).where(first).values(line=99))
+    with session_scope(url) as session:
+        assert [r[0] for r in requests_repo.iter_finished(session, batch_id)][-1] == "r0"
 
 
 @pytest.mark.parametrize("path", ["pipeline", "stepwise"])
