@@ -86,9 +86,9 @@ class ChatCompletionRequest(BaseModel):
     audio: Any = None
     prediction: Any = None
     #: ``None`` for text; JSON mode or a JSON Schema (``offpeak.endpoints.structured``).
-    response_format: Annotated[
-        StructuredOutput | None, BeforeValidator(structured.chat_format)
-    ] = None
+    response_format: Annotated[StructuredOutput | None, BeforeValidator(structured.chat_format)] = (
+        None
+    )
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     max_tokens: int | None = Field(None, ge=1)
