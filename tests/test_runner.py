@@ -17,7 +17,7 @@ from storage.blobs import get_blob_store
 from storage.db import session_scope
 from storage.models import EngineChunk, EngineChunkBatch, File, RequestLine
 from storage.repositories import requests as requests_repo
-from storage.repositories.requests import FinishedLine
+from storage.repositories.requests import ClaimedRequest, FinishedLine
 from tests.helpers import check_billed_once, check_ran_batch, line, tenant_client, validate
 from workers.engine.base import EngineResult
 from workers.engine.instant import InstantEngine
@@ -234,6 +234,14 @@ def test_lease_takeover_runs_each_line_once(
     assert set(attempts) == {2}
 
 
+def _claim_all(url: str) -> list[ClaimedRequest]:
+    """Lease every pending line of ``MODEL`` (at most 10) to owner ``w`` for a minute."""
+    with session_scope(url) as session:
+        return requests_repo.claim(
+            session, model=MODEL, limit=10, owner="w", lease_until=time.time() + 60, at=time.time()
+        )
+
+
 def test_a_write_back_the_database_refuses_is_raised_and_changes_nothing(
     settings: Settings, tenant_sdk: tuple[str, OpenAI]
 ) -> None:
@@ -252,10 +260,7 @@ def test_a_write_back_the_database_refuses_is_raised_and_changes_nothing(
     ids = [f"r{i}" for i in range(5)]
     batch_id = make(settings, tenant, [line(i, model=MODEL) for i in ids])
     url = settings.resolved_database_url
-    with session_scope(url) as session:
-        held = requests_repo.claim(
-            session, model=MODEL, limit=10, owner="w", lease_until=time.time() + 60, at=time.time()
-        )
+    held = _claim_all(url)
     assert len(held) == 5
     refused = [FinishedLine(r.id, r.batch_id, "failed", time.time(), 400, "x\x00y") for r in held]
     with pytest.raises(psycopg.DataError) as caught, session_scope(url) as session:
@@ -293,10 +298,7 @@ def test_results_travel_as_one_text_split_at_a_control_character_json_never_hold
     tenant, _sdk = tenant_sdk
     batch_id = make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(4)])
     url = settings.resolved_database_url
-    with session_scope(url) as session:
-        held = requests_repo.claim(
-            session, model=MODEL, limit=10, owner="w", lease_until=time.time() + 60, at=time.time()
-        )
+    held = _claim_all(url)
     texts = ['{"a":"x,y"}', '{"b":"q\\"uote\\\\ {}"}', '{"c":"\\u001e\\u001f"}']
     odd = [FinishedLine(held[0].id, batch_id, "failed", time.time(), 400, "x\x1ey")]
     with pytest.raises(ValueError, match="not JSON text"), session_scope(url) as session:
@@ -319,17 +321,14 @@ def test_results_travel_as_one_text_split_at_a_control_character_json_never_hold
 def test_finished_rows_stream_in_line_order_and_a_stream_left_early_frees_its_connection(
     settings: Settings, tenant_sdk: tuple[str, OpenAI]
 ) -> None:
-    """``iter_finished`` (finalize's read; on PostgreSQL a binary ``COPY … TO STDOUT``): every
-    row in line order with its result as stored (tabs, newlines, backslashes; NULL for a line
-    that never ran). Finalize can stop reading midway (a render that raises): the copy is ended
-    and the same transaction goes on and commits."""
+    """``iter_finished`` (finalize's read; on PostgreSQL a named cursor): every row in line
+    order with its result as stored (tabs, newlines, backslashes; NULL for a line that never
+    ran). Finalize can stop reading midway (a render that raises): the cursor is closed and the
+    same transaction goes on and commits."""
     tenant, _sdk = tenant_sdk
     batch_id = make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(5)])
     url = settings.resolved_database_url
-    with session_scope(url) as session:
-        held = requests_repo.claim(
-            session, model=MODEL, limit=10, owner="w", lease_until=time.time() + 60, at=time.time()
-        )
+    held = _claim_all(url)
     texts = ['{"a":"\\t\\n"}', '{"b":"\\\\"}', "{}", '{"c":" tab\tand\nline"}']
     by_line = sorted(held, key=lambda r: r.custom_id)
     lines = [
