@@ -174,3 +174,17 @@ def check_billed_once(url: str, batch: Batch) -> None:
             usage.input_tokens,
             usage.output_tokens,
         )
+
+
+def line_statuses(settings: Settings, batch_id: str) -> dict[str, int]:
+    """How many of the batch's request lines are in each status (``{"running": 3, ...}``; a
+    status no line has is absent), read from the database. It shows a claim (``running``) as it
+    happens; ``request_counts`` counts a line only once its result is written back, seconds
+    after it ran (a write-back every ``flush_seconds``, after the chunk's prefill)."""
+    with session_scope(settings.resolved_database_url) as session:
+        rows = session.execute(
+            select(RequestLine.status, func.count())
+            .where(RequestLine.batch_id == batch_id)
+            .group_by(RequestLine.status)
+        )
+        return {status: n for status, n in rows}

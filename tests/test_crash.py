@@ -32,7 +32,7 @@ from offpeak.settings import Settings
 from storage.db import session_scope
 from storage.models import EngineChunk, RequestLine, WorkerRecord
 from tests.conftest import free_port, new_key, settings_from, wait_for_end
-from tests.helpers import check_billed_once, check_ran_batch
+from tests.helpers import check_billed_once, check_ran_batch, line_statuses
 from tests.services import PostgresServer, RedisServer
 
 pytestmark = pytest.mark.engine
@@ -142,13 +142,7 @@ def ready_workers(settings: Settings) -> list[str]:
 
 def lines_by_status(settings: Settings, batch_id: str) -> dict[str, int]:
     try:
-        with session_scope(settings.resolved_database_url) as session:
-            rows = session.execute(
-                select(RequestLine.status, func.count())
-                .where(RequestLine.batch_id == batch_id)
-                .group_by(RequestLine.status)
-            )
-            return {status: n for status, n in rows}
+        return line_statuses(settings, batch_id)
     except Exception:  # the database is restarting
         return {}
 

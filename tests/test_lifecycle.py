@@ -40,7 +40,7 @@ from tests.conftest import (
     settings_from,
     wait_for_end,
 )
-from tests.helpers import check_ran_batch
+from tests.helpers import check_ran_batch, line_statuses
 from workers.celery_app import EXIT_FORCED
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -391,16 +391,6 @@ def long_batch(control_stack: ServiceProcesses, engine_settings: Settings) -> Lo
     return LongBatch(batch.id, ids, client)
 
 
-def lines(settings: Settings, batch_id: str) -> dict[str, int]:
-    with session_scope(settings.resolved_database_url) as session:
-        rows = session.execute(
-            select(RequestLine.status, func.count())
-            .where(RequestLine.batch_id == batch_id)
-            .group_by(RequestLine.status)
-        )
-        return {status: n for status, n in rows}
-
-
 def held_by(settings: Settings, batch_id: str, pid: int) -> set[int]:
     """Ids of the batch's running lines leased to the worker with process id ``pid``."""
     with session_scope(settings.resolved_database_url) as session:
@@ -437,7 +427,7 @@ def running_with_lines(
     def ready() -> bool:
         stack.check_alive()
         return bool(held_by(settings, batch_id, proc.pid)) and (
-            lines(settings, batch_id).get("succeeded", 0) >= finished
+            line_statuses(settings, batch_id).get("succeeded", 0) >= finished
         )
 
     wait_until(ready, 300, f"{name} running lines", stack.tail(name))
@@ -470,7 +460,7 @@ def test_sigterm_hands_lines_back_and_exits_cleanly(
     handed_back = re.search(r"stopping: (\d+) lines handed back to pending", log)
     assert handed_back and int(handed_back.group(1)) > 0, log
     assert held_by(engine_settings, batch_id, worker.pid) == set()
-    status = lines(engine_settings, batch_id)
+    status = line_statuses(engine_settings, batch_id)
     assert status.get("pending", 0) > 0 and status.get("failed", 0) == 0, status
 
 

@@ -17,10 +17,11 @@ from openai import OpenAI
 
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import Settings
+from offpeak.statuses import LineStatus
 from storage.db import session_scope
 from storage.repositories import scheduler as scheduler_repo
 from tests.conftest import LIVE_RELEASE_AFTER_SECONDS, wait_for_end
-from tests.helpers import check_billed_once, check_ran_batch
+from tests.helpers import check_billed_once, check_ran_batch, line_statuses
 from tests.test_e2e import chat_line, submit
 
 pytestmark = pytest.mark.engine
@@ -85,10 +86,11 @@ def log_text(stack: ServiceProcesses) -> str:
 def test_engine_released_while_paused_and_the_batch_completes_after(
     live: ServiceProcesses, live_sdk: OpenAI, live_settings: Settings
 ) -> None:
-    # The engine runs all 60 lines at once (its slots outnumber them), so the batch must still be
-    # running when the pool is paused: 5 lines answer in two tokens (the sign it started), the
-    # other 55 count for 64 tokens (a sentence each ended within the same steps, and the batch was
-    # over before the pause: the release then never came, as nothing of the model was left).
+    # The engine runs all 60 lines at once (its slots outnumber them). The pool is paused as soon
+    # as the engine worker has claimed them, so lines are running when the gate closes: 5 answer
+    # in two tokens, 55 in up to 64. Waiting for the first answers instead lost the race on CI
+    # (they are counted 4-11 s after the claim here: the chunk's prefill, then a write-back):
+    # a batch over before the pause is never released (nothing of the model is left to hold).
     ids = [f"rel-{i}" for i in range(60)]
     lines = [
         chat_line(i, f"Write a sentence about the number {n}.", max_tokens=2)
@@ -102,8 +104,12 @@ def test_engine_released_while_paused_and_the_batch_completes_after(
         counts = live_sdk.batches.retrieve(batch.id).request_counts
         return counts.completed if counts else 0
 
-    wait_until(lambda: completed() >= 5, live, 300, "the batch did not start")
-    assert completed() < len(ids), "the batch ended before the pool could be paused"
+    wait_until(
+        lambda: line_statuses(live_settings, batch.id).get(LineStatus.RUNNING),
+        live,
+        300,
+        "the batch did not start",
+    )
     # The worker may hold the embedding model's engine too (never released): the chat
     # model's core is the one that goes.
     before = {c.pid: c for c in engine_cores(live)}
@@ -115,7 +121,18 @@ def test_engine_released_while_paused_and_the_batch_completes_after(
 
     try:
         set_paused(live_settings, True)
-        wait_until(lambda: bool(released()), live, 60, "the EngineCore process stayed")
+
+        def released_or_over() -> bool:
+            if released():
+                return True
+            unfinished = LineStatus.UNFINISHED
+            statuses = line_statuses(live_settings, batch.id)
+            assert any(statuses.get(s) for s in unfinished), (
+                f"the batch ended before the pause reached the engine worker: {statuses}"
+            )
+            return False
+
+        wait_until(released_or_over, live, 60, "the EngineCore process stayed")
         (core,) = released()
         assert {c.pid for c in engine_cores(live)} == set(before) - {core.pid}
         released_rss = tree_rss(live)

@@ -32,7 +32,7 @@ from storage.models import Batch, RequestLine
 from storage.repositories import requests as requests_repo
 from storage.repositories import scheduler as scheduler_repo
 from tests.conftest import new_key
-from tests.helpers import check_ran_batch
+from tests.helpers import check_ran_batch, line_statuses
 from tests.scheduler_support import MetricsEndpoint, decoding_engine, metrics_endpoint
 from workers.engine.instant import InstantEngine
 from workers.finalize import finalize
@@ -135,16 +135,6 @@ def make_batch(settings: Settings, tenant: str, lines: list[bytes], window: str 
     return batch.id
 
 
-def counts(settings: Settings, batch_id: str) -> dict[str, int]:
-    with session_scope(settings.resolved_database_url) as session:
-        rows = session.execute(
-            select(RequestLine.status, func.count())
-            .where(RequestLine.batch_id == batch_id)
-            .group_by(RequestLine.status)
-        )
-        return {status: n for status, n in rows}
-
-
 def end(settings: Settings, sdk: OpenAI, batch_id: str, ids: list[str]):  # type: ignore[no-untyped-def]
     assert finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id).done
     batch = sdk.batches.retrieve(batch_id)
@@ -164,7 +154,7 @@ def test_yields_when_load_rises_and_resumes_only_below_low_water(
 
     def traffic_arrives(at: float, cost: float) -> None:
         """Real-time traffic arrives once the first lines are written back."""
-        if endpoint.kv < 0.9 and counts(settings, batch_id).get("succeeded", 0) >= 8:
+        if endpoint.kv < 0.9 and line_statuses(settings, batch_id).get("succeeded", 0) >= 8:
             endpoint.set(kv=0.9)
 
     engine.on_step = traffic_arrives
@@ -172,7 +162,7 @@ def test_yields_when_load_rises_and_resumes_only_below_low_water(
     engine.on_step = None
     assert endpoint.kv == 0.9, "the first lines never finished"
     assert stats.outcome == "yielded" and stats.aborted > 0, "the runner did not yield"
-    after_yield = counts(settings, batch_id)
+    after_yield = line_statuses(settings, batch_id)
     assert "running" not in after_yield, "aborted lines must go back to pending"
     with session_scope(settings.resolved_database_url) as session:
         attempts = session.scalars(
@@ -185,7 +175,7 @@ def test_yields_when_load_rises_and_resumes_only_below_low_water(
     endpoint.set(kv=0.45)  # fallen below high-water, but not to low-water: still yielding
     stats = runner.drain()
     assert stats.outcome == "yielded" and stats.requests == 0
-    assert counts(settings, batch_id) == after_yield  # finished lines kept, nothing new ran
+    assert line_statuses(settings, batch_id) == after_yield  # finished lines kept, nothing new ran
 
     endpoint.set(kv=0.2)
     stats = runner.drain()
@@ -233,8 +223,8 @@ def test_urgent_batch_runs_under_high_load_and_a_hard_pause_stops_it(
     with caplog.at_level(logging.INFO, logger="workers"):
         stats = runner.drain()
     assert stats.outcome == "yielded"  # load still high: the relaxed batch waits
-    assert counts(settings, urgent) == {"succeeded": 10}
-    assert counts(settings, relaxed) == {"pending": 10}
+    assert line_statuses(settings, urgent) == {"succeeded": 10}
+    assert line_statuses(settings, relaxed) == {"pending": 10}
     assert f"batch {urgent} is urgent" in caplog.text
     batch = end(settings, sdk, urgent, urgent_ids)
     assert batch.status == "completed"
@@ -408,7 +398,7 @@ def test_lines_of_an_expired_batch_are_not_claimed(
             update(RequestLine).where(RequestLine.batch_id == batch_id).values(deadline=past)
         )
     stats = Runner(settings, decoding_engine(model), "w-expired").drain()
-    assert stats.requests == 0 and counts(settings, batch_id) == {"pending": 6}
+    assert stats.requests == 0 and line_statuses(settings, batch_id) == {"pending": 6}
     batch = end(settings, sdk, batch_id, ids)
     assert batch.status == "expired"
     assert batch.request_counts.failed == 6 and batch.output_file_id is None
@@ -430,7 +420,7 @@ def test_work_that_fits_finishes_inside_a_60s_window_under_high_load(
     created = sdk.batches.retrieve(batch_id).created_at
     while clock.time() < created + 75:
         stats = runner.drain()  # as the sweep's drain messages would, every half second
-        if counts(settings, batch_id).get("succeeded", 0) == 64:
+        if line_statuses(settings, batch_id).get("succeeded", 0) == 64:
             break
         assert stats.outcome == "yielded"
         clock.sleep(0.5)
@@ -505,4 +495,4 @@ def test_leases_outlive_slow_steps_and_lines_taken_over_are_dropped(
     assert not worker.is_alive()
     [stats] = outcome
     assert stats.requests == 0  # type: ignore[attr-defined]
-    assert counts(settings, batch_id) == {"running": 4}  # the thief's, untouched
+    assert line_statuses(settings, batch_id) == {"running": 4}  # the thief's, untouched
