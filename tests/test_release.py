@@ -15,8 +15,9 @@ from prometheus_client import REGISTRY
 from offpeak.settings import Settings
 from storage.repositories.scheduler import BatchBacklog
 from tests import test_scheduler as scheduler_tests
+from tests.helpers import line_statuses
 from tests.scheduler_support import MetricsEndpoint
-from tests.test_scheduler import chat, counts, end, make_batch, with_policy
+from tests.test_scheduler import chat, end, make_batch, with_policy
 from workers.engine import registry
 from workers.engine.base import EngineRequest, SamplingSpec
 from workers.engine.release import (
@@ -159,5 +160,5 @@ def test_a_released_engines_batch_turns_urgent_early_enough_and_runs(
     stats = runner.drain()
     assert batch_id in runner.urgent_seen, "the reload did not count in the slack"
     assert stats.requests == 10 and not engine.released
-    assert counts(settings, batch_id) == {"succeeded": 10}
+    assert line_statuses(settings, batch_id) == {"succeeded": 10}
     assert end(settings, sdk, batch_id, ids).status == "completed"
