@@ -22,11 +22,10 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/offpeak demo
 
-# One process by default. `PYTEST_WORKERS=2 make test`: two pytest-xdist workers, the engine
-# test modules on one, one after another, the rest beside them (tests/conftest.py,
-# ENGINE_MODULES): 20:48 instead of 24-27 minutes here, but test_crash's restart tests failed once
-# in four such runs (a control worker exited 0 mid-test; cause not found), so not yet the default.
-PYTEST_WORKERS ?= 0
+# Two pytest-xdist workers by default (the CI machine's 2 cores): the units of engine test modules
+# first, longest first, every other module beside them (tests/conftest.py, ENGINE_UNITS);
+# each worker's engines compute on a CPU of their own. `PYTEST_WORKERS=0 make test`: one process.
+PYTEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope
 

