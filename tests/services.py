@@ -214,6 +214,10 @@ def postgres_server() -> Iterator[PostgresServer]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+class PortTaken(RuntimeError):
+    """A server could not listen on its port: another process holds it."""
+
+
 class RedisServer:
     """``redis-server`` on 127.0.0.1:``port`` as a child process, keeping nothing on disk (no
     RDB snapshots, no AOF), as the shared server runs."""
@@ -227,7 +231,10 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/{db}"
 
     def start(self) -> None:
-        """Start the server and wait until it answers PING."""
+        """Start the server and wait until it answers PING with its own process id (another
+        server may hold the port: ``free_port`` only found it free a moment before). Raises
+        ``PortTaken`` when ``redis-server`` could not listen on the port, ``RuntimeError`` when
+        it exited for another reason."""
         self.proc = subprocess.Popen(
             [
                 "redis-server",
@@ -241,20 +248,27 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        client = redis.Redis.from_url(self.url())
         deadline = time.monotonic() + START_SECONDS
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"redis-server exited with {self.proc.returncode}:\n{self.tail()}"
-                )
-            try:
-                if client.ping():
-                    return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
+                log = self.tail()
+                if "Address already in use" in log:
+                    raise PortTaken(f"port {self.port} is taken:\n{log}")
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}:\n{log}")
+            if self._answers_as_itself():
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not answer in {START_SECONDS} s")
             time.sleep(0.1)
+
+    def _answers_as_itself(self) -> bool:
+        """Whether the server on the port answers and is this object's process."""
+        assert self.proc is not None
+        try:
+            info = redis.Redis.from_url(self.url(), socket_timeout=5).info("server")
+        except redis.ConnectionError:
+            return False
+        return bool(info.get("process_id") == self.proc.pid)
 
     def tail(self, lines: int = 30) -> str:
         if not self.log.exists():
@@ -266,8 +280,11 @@ class RedisServer:
         server that keeps nothing on disk."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        with contextlib.suppress(redis.ConnectionError):  # shutting down drops the connection
-            redis.Redis.from_url(self.url()).shutdown(nosave=True)
+        if self._answers_as_itself():  # never another server that took the port
+            with contextlib.suppress(redis.ConnectionError):  # shutting down drops the connection
+                redis.Redis.from_url(self.url()).shutdown(nosave=True)
+        else:
+            self.proc.terminate()
         try:
             self.proc.wait(timeout=START_SECONDS)
         except subprocess.TimeoutExpired:
@@ -289,7 +306,15 @@ def redis_server() -> Iterator[RedisServer]:
     root = Path(tempfile.mkdtemp(prefix="offpeak-redis-"))
     server = RedisServer(root, free_port())
     try:
-        server.start()
+        for attempt in range(3):  # another process took the free port first: take another
+            try:
+                server.start()
+                break
+            except PortTaken:
+                if attempt == 2:
+                    raise
+                server.log.unlink()  # the next server's log starts empty
+                server = RedisServer(root, free_port())
         yield server
     finally:
         try:
