@@ -28,3 +28,18 @@ def test_restart_comes_back_on_the_same_port_as_the_same_object() -> None:
         server.restart()
         assert server.proc is not first and server.port == port and server._answers_as_itself()
     assert server.proc is not None and server.proc.poll() is not None
+
+
+def test_redis_server_takes_another_port_when_its_free_port_was_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The race itself: ``free_port`` hands out a port another server takes before ours
+    starts; ``redis_server`` starts on the next one and the other keeps running."""
+    import tests.services as services
+
+    with redis_server() as other:
+        ports = iter([other.port, services.free_port()])
+        monkeypatch.setattr(services, "free_port", lambda: next(ports))
+        with redis_server() as ours:
+            assert ours.port != other.port and ours._answers_as_itself()
+        assert other._answers_as_itself(), "ours shut the other server down"
