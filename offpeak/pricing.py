@@ -29,10 +29,15 @@ _NO_PRICES = ModelPricing()
 def cost_per_million_tokens(cost: float, tokens: int) -> float | None:
     """Dollars per million (prompt + completion) tokens; ``None`` before any token. The one
     rule behind every "cost / 1M tokens" figure (a batch's, ``GET /v1/usage``, the dashboard's
-    cards, the CLI), so they agree for the same engine time and tokens."""
+    cards, the CLI), so they agree for the same engine time and tokens.
+
+    ``cost`` is taken at the ledger's resolution (``MONEY_DIGITS``) first: a bill's cost is
+    stored rounded, while the dashboard sums its engines' seconds unrounded, and a difference
+    below that resolution must not move the figure across a shown digit ($0.152 against
+    $0.153)."""
     if tokens <= 0:
         return None
-    return round(cost / tokens * 1e6, MONEY_DIGITS)
+    return round(round(cost, MONEY_DIGITS) / tokens * 1e6, MONEY_DIGITS)
 
 
 def format_usd(amount: float | None) -> str:

@@ -311,6 +311,21 @@ def test_money_is_printed_in_fixed_point() -> None:
         assert "e" not in format_usd(1.234 * 10**exponent)
 
 
+def test_cost_per_million_takes_the_cost_at_the_ledgers_resolution() -> None:
+    """A bill's cost is stored to 1e-10 dollars; the dashboard sums its engines' seconds
+    unrounded. The two differ below that resolution, and must not straddle a shown digit (CI
+    printed $0.153 on the card and $0.152 in the CLI for one batch)."""
+    from offpeak.pricing import MONEY_DIGITS, cost_per_million_tokens
+
+    engine_cost = 1.525000004e-05  # 100 tokens: $0.1525000004 per million unrounded
+    ledger_cost = round(engine_cost, MONEY_DIGITS)
+    assert ledger_cost != engine_cost
+    assert cost_per_million_tokens(engine_cost, 100) == cost_per_million_tokens(ledger_cost, 100)
+    assert format_usd(cost_per_million_tokens(engine_cost, 100)) == format_usd(
+        cost_per_million_tokens(ledger_cost, 100)
+    )
+
+
 def test_usage_table_fits_80_columns_labels_its_total_and_the_cost_cards_agree(
     settings: Settings, tenant: Tenant
 ) -> None:
