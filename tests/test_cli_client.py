@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from offpeak import cli
 from offpeak.cli import client as client_tools
 from offpeak.cli import exit_codes
-from offpeak.pricing import format_usd
+from offpeak.pricing import MONEY_DIGITS, cost_per_million_tokens, format_usd
 from offpeak.settings import ModelConfig, ModelPricing, Settings, get_settings
 from storage.blobs import get_blob_store
 from storage.db import session_scope
@@ -315,8 +315,6 @@ def test_cost_per_million_takes_the_cost_at_the_ledgers_resolution() -> None:
     """A bill's cost is stored to 1e-10 dollars; the dashboard sums its engines' seconds
     unrounded. The two differ below that resolution, and must not straddle a shown digit (CI
     printed $0.153 on the card and $0.152 in the CLI for one batch)."""
-    from offpeak.pricing import MONEY_DIGITS, cost_per_million_tokens
-
     engine_cost = 1.525000004e-05  # 100 tokens: $0.1525000004 per million unrounded
     ledger_cost = round(engine_cost, MONEY_DIGITS)
     assert ledger_cost != engine_cost
