@@ -18,6 +18,7 @@ from offpeak.cli import app
 from offpeak.settings import get_settings
 from workers.calibration import (
     CALIBRATION_FILE,
+    CalibrationPoint,
     calibrate,
     fit_step_model,
     load_calibration,
@@ -349,8 +350,26 @@ def test_plan_batch_calibrated_without_calibration_fails(cache_dir: Path) -> Non
     assert "offpeak calibrate nope" in result.output
 
 
-def test_fit_step_model_needs_two_batch_sizes() -> None:
-    from workers.calibration import CalibrationPoint
+def test_fit_step_model_never_fits_a_step_that_gets_cheaper_with_more_sequences() -> None:
+    """Flat steps with timing noise (the suite's engine on a fresh clone: about 68 ms at 1, 8 and 16 sequences) fit a
+    negative slope by plain least squares; the model holds it at 0 through the mean, and a
+    rising curve still gets its own slope."""
+    flat = [
+        CalibrationPoint(1, 69.1, 6),
+        CalibrationPoint(8, 68.9, 6),
+        CalibrationPoint(16, 68.3, 6),
+    ]
+    model = fit_step_model(flat)
+    assert model.per_seq_ms == 0.0
+    assert model.base_ms == pytest.approx((69.1 + 68.9 + 68.3) / 3)
+    rising = [
+        CalibrationPoint(1, 10.1, 6),
+        CalibrationPoint(8, 10.8, 6),
+        CalibrationPoint(16, 11.6, 6),
+    ]
+    assert fit_step_model(rising).per_seq_ms == pytest.approx(0.1, abs=0.001)
 
+
+def test_fit_step_model_needs_two_batch_sizes() -> None:
     with pytest.raises(ValueError):
         fit_step_model([CalibrationPoint(8, 5.0, 10), CalibrationPoint(8, 5.1, 10)])

@@ -113,13 +113,23 @@ def measure_decode_step(
 
 
 def fit_step_model(points: Sequence[CalibrationPoint]) -> StepModel:
-    """Least-squares line through ``(batch, step_ms)``: intercept ``base_ms``, slope ``per_seq_ms``.
+    """Least-squares line through ``(batch, step_ms)``: intercept ``base_ms``, slope ``per_seq_ms``,
+    the slope held at 0 or above.
+
+    A decode step never gets cheaper with more sequences in it, but on a CPU whose steps are
+    flat over the sizes measured (about 68 ms at 1, 8 and 16 sequences here) timing noise can
+    tilt the free fit downwards (−0.44 ms a sequence), and a negative slope would tell the
+    planner that larger batches step faster. The best line with a slope of at least 0 is then
+    the flat one through the mean (the constrained least-squares optimum lies on the boundary).
 
     Raises ``ValueError`` with fewer than two distinct batch sizes.
     """
     if len({p.batch for p in points}) < 2:
         raise ValueError("need at least two distinct batch sizes to fit a line")
-    slope, intercept = np.polyfit([p.batch for p in points], [p.step_ms for p in points], 1)
+    times = [p.step_ms for p in points]
+    slope, intercept = np.polyfit([p.batch for p in points], times, 1)
+    if slope < 0:
+        return StepModel(base_ms=float(np.mean(times)), per_seq_ms=0.0)
     return StepModel(base_ms=float(intercept), per_seq_ms=float(slope))
 
 
