@@ -83,10 +83,10 @@ _loading = threading.Lock()
 
 
 def tokenizer_for(settings: Settings, model: str) -> Tokenizer:
-    """The served model's own tokenizer, loaded once per process and configuration (~13 s the
-    first time on this 2-core CPU, nearly all of it importing ``transformers``; 0.4 ms a chat
-    line after). Raises ``KeyError`` for a model that is not configured and whatever loading
-    its folder raises (``workers.model_store.ModelUnavailableError``)."""
+    """The served model's own tokenizer, loaded once per process and configuration (seconds
+    the first time, nearly all of it importing ``transformers``). Raises ``KeyError`` for a
+    model that is not configured and whatever loading its folder raises
+    (``workers.model_store.ModelUnavailableError``)."""
     config = settings.models[model]
     with _loading:
         return _load(model, config.model_dump_json(), str(settings.model_cache_dir))
@@ -213,9 +213,8 @@ def estimate_batch(settings: Settings, batch_id: str) -> dict[str, Any] | None:
     made here (``BatchEstimator``: the tokenizer will not load). Never raises for a line.
 
     It runs after the batch starts, not inside validation: counting is the model's tokenizer on
-    every line (≈ 0.4 ms a chat line on SmolLM2's, so 20 s for 50,000 lines; 23 µs even on the
-    instant engine's, half of validation's time in ``offpeak bench control``), and a batch's
-    lines need not wait for advice to start running. The lines are read in one transaction,
+    every line (tens of seconds for 50,000 chat lines on SmolLM2's, docs/api.md "Estimate"), and a
+    batch's lines need not wait for advice to start running. The lines are read in one transaction,
     and the estimate stored in a second, short one that holds the batch row only for its
     ``UPDATE``."""
     url = settings.resolved_database_url

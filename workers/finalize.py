@@ -98,8 +98,8 @@ def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
 
 
 class _Lines:
-    """JSONL lines written to ``handle`` in pieces of ``PIECE_LINES`` (one write call each:
-    a write per line through the blob store's file object cost ~8 µs a line, issue 14);
+    """JSONL lines written to ``handle`` in pieces of ``PIECE_LINES`` (one write call each: a
+    write per line through the blob store's file object costs more than the line);
     ``bytes``: what was added, newlines included."""
 
     PIECE_LINES = 1024
