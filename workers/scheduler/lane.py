@@ -29,9 +29,8 @@ the lane uses its limit, up to a slow-start threshold (the step model's answer u
 then the limit the breach left), ``+additive_increase`` beyond it; it holds inside the band and
 multiplies by ``decrease_factor`` on a breach: a target exceeded, or real-time requests waiting
 at two readings in a row (the runner sends the newest batch lines above the new limit back to
-pending). Urgent batches keep ``urgent_min`` lines in flight whatever the
-readings. An unreadable server holds the limit for ``stale_seconds``, then drops it to the urgent
-minimum.
+pending). Urgent batches keep ``urgent_min`` lines in flight whatever the readings. An unreadable
+server holds the limit for ``stale_seconds``, then drops it to the urgent minimum.
 """
 
 from __future__ import annotations
