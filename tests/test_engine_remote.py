@@ -46,17 +46,12 @@ from tests.inprocess_engine import smollm2_engine
 from tests.services import free_port
 from tests.test_e2e import QUICKSTART, chat_line, submit
 from tests.test_engine_vllm import chat, one, request, run
-from workers.engine.remote import (
-    RemoteEngine,
-    ServerTokenizer,
-    ServerTokens,
-    ServerUnavailable,
-    ServerUsage,
-    local_tokenizer,
-    parse_server_tokens,
-)
+from workers.engine.remote import RemoteEngine, ServerUnavailable
+from workers.engine.remote_meter import ServerUsage
+from workers.engine.remote_tokenizer import ServerTokenizer, local_tokenizer
 from workers.model_store import ensure_model
 from workers.runner.server_share import ServerShare, server_weight, weighted_tokens
+from workers.vllm_metrics import ServerTokens, parse_server_tokens
 
 pytestmark = pytest.mark.engine
 log = logging.getLogger(__name__)

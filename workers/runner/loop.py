@@ -53,14 +53,8 @@ from workers.scheduler import scheduler_metrics as metrics
 from workers.scheduler.chunking import claim_size, engine_room, size_for
 from workers.scheduler.clock import Clock, WallClock
 from workers.scheduler.hysteresis import Gate
-from workers.scheduler.lane import (
-    LaneController,
-    LaneDecision,
-    PrometheusServer,
-    ServerMetrics,
-    metrics_url,
-    victims,
-)
+from workers.scheduler.lane import LaneController, LaneDecision, victims
+from workers.scheduler.lane_scraper import PrometheusServer, ServerMetrics, metrics_url
 from workers.scheduler.lease_heartbeat import LeaseHeartbeat
 from workers.scheduler.signals import BackgroundMonitor, LoadMonitor, build_signals
 from workers.scheduler.slack import Estimate, calibrated, refresh_estimates

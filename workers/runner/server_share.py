@@ -31,13 +31,14 @@ from typing import Protocol
 
 from offpeak.pricing import TokenWeights
 from storage.repositories.engine_chunks import BatchTokens
-from workers.engine.remote import ServerTokens, ServerUsage
+from workers.engine.remote_meter import ServerUsage
+from workers.vllm_metrics import ServerTokens
 
 log = logging.getLogger(__name__)
 
 
 class UsageMeter(Protocol):
-    """What the share reads: ``workers.engine.remote.ServerMeter``."""
+    """What the share reads: ``workers.engine.remote_meter.ServerMeter``."""
 
     def usage(self) -> ServerUsage: ...
 
