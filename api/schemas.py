@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import inspect
 
 from offpeak import endpoints
-from offpeak.pricing import Bill
+from offpeak.billing import Bill
 from offpeak.statuses import BatchStatus
 from storage.models import Base, Batch, File
 
@@ -166,7 +166,7 @@ class BatchObject(BaseModel):
     metadata: dict[str, str] | None
     # Offpeak's additions (extra fields, which the openai SDK keeps), in US dollars: engine
     # seconds attributed to the batch, our cost, the price billed, the real-time list price of
-    # the same tokens and the saving. Live estimates until ``billed_at`` is set (offpeak.pricing).
+    # the same tokens and the saving. Live estimates until ``billed_at`` is set (offpeak.billing).
     gpu_seconds: float | None = None
     cost: float | None = None
     price: float | None = None
@@ -332,7 +332,7 @@ class UsageBucket(BaseModel):
     price: float
     realtime_price: float
     saving: float
-    #: ``cost`` per million ``total_tokens`` (``offpeak.pricing.cost_per_million_tokens``, the
+    #: ``cost`` per million ``total_tokens`` (``offpeak.billing.cost_per_million_tokens``, the
     #: dashboard's rule); ``None`` without tokens.
     cost_per_million_tokens: float | None = None
 

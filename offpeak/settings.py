@@ -477,7 +477,7 @@ class Settings(BaseSettings):
     #: CPU (docs/benchmarks.md, "Status polls"); errors are logged either way.
     api_access_log: bool = False
 
-    # Accounting (``workers.accounting``): prices, and how engine time is split among batches.
+    # Accounting (``workers.billing``): prices, and how engine time is split among batches.
     #: Real-time list prices and GPU costs per served model; a model absent here lists at 0.
     pricing: dict[str, ModelPricing] = Field(default_factory=_default_pricing)
     #: Dollars per hour of engine time per worker pool (an engine chunk's ``device``: ``cpu`` or
@@ -490,7 +490,7 @@ class Settings(BaseSettings):
     batch_discount: float = 0.5
     #: A chunk's seconds go to its batches in proportion to weighted tokens: uncached prompt
     #: tokens x ``prefill_token_weight`` + cached prompt tokens x ``cached_token_weight`` +
-    #: completion tokens x ``decode_token_weight`` (see ``storage.repositories.ledger``).
+    #: completion tokens x ``decode_token_weight`` (see ``storage.repositories.billing``).
     prefill_token_weight: float = 0.25
     cached_token_weight: float = 0.0
     decode_token_weight: float = 1.0

@@ -30,7 +30,7 @@ from storage.repositories import batches as batches_repo
 from storage.repositories import requests as requests_repo
 from tests.conftest import new_key
 from workers import serving
-from workers.accounting import bill_batch
+from workers.billing import bill_batch
 from workers.engine.instant import InstantEngine
 from workers.finalize import finalize
 from workers.runner import results

@@ -16,7 +16,7 @@ from openai import OpenAI
 
 from api.schemas import BatchObject, FileObject, batch_json, column_values, file_json
 from api.services import files as files_service
-from offpeak.pricing import Bill
+from offpeak.billing import Bill
 from offpeak.settings import Settings
 from storage.blobs import CHUNK_BYTES, get_blob_store
 from storage.db import read, session_scope
@@ -112,7 +112,7 @@ BATCHES = [_batch(**changes) for changes in CHANGES]
 
 BILLS = [
     None,
-    # A live estimate with no engine time yet: whole-number amounts (pricing.bill's sums).
+    # A live estimate with no engine time yet: whole-number amounts (billing.bill's sums).
     Bill(gpu_seconds=0, cost=0, price=0, realtime_price=0, tokens=0),
     Bill(
         gpu_seconds=3.1234567,

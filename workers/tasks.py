@@ -17,7 +17,7 @@ from storage.db import session_scope
 from storage.repositories import batches as batches_repo
 from storage.repositories import queued_messages
 from storage.repositories import requests as requests_repo
-from workers import accounting, retention, webhooks
+from workers import billing, retention, webhooks
 from workers import worker_metrics as metrics
 from workers.celery_app import app
 from workers.engine import registry, release
@@ -216,7 +216,7 @@ def sweep() -> None:
     # Estimates move on while no engine worker runs the model (load high, workers down).
     # Every configured model: one with nothing left gets its replicas needed back to 0.
     sweep_estimates(settings, list(settings.models), time.time())
-    accounting.bill_unbilled(settings)  # ended batches whose billing step failed or never ran
+    billing.bill_unbilled(settings)  # ended batches whose billing step failed or never ran
     if webhooks.any_due(settings):  # retries coming due, and any run whose message was lost
         task_messages.send_deliver_webhooks(settings)
     retention.sweep_if_due(settings)

@@ -10,8 +10,8 @@ from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, Conflict, NotFound, unknown_cursor
 from api.schemas import CreateBatch, batch_json
+from api.services import billing as billing_service
 from api.services import files as files_service
-from api.services import usage as usage_service
 from offpeak import endpoints
 from offpeak.endpoints import anthropic_messages
 from offpeak.ids import new_id, now
@@ -158,7 +158,7 @@ def poll(db: Executor, settings: Settings, tenant_id: str, batch_id: str) -> dic
     row = batches_repo.poll_row(db, tenant_id, batch_id)
     if row is None or row["endpoint"] == anthropic_messages.URL:
         raise _not_found(batch_id)
-    return batch_json(row, usage_service.bills_of_rows(db, settings, [row])[batch_id])
+    return batch_json(row, billing_service.bills_of_rows(db, settings, [row])[batch_id])
 
 
 def page(
@@ -177,7 +177,7 @@ def page(
         db, tenant_id, after=after, limit=limit, exclude_endpoint=anthropic_messages.URL
     )
     shown = rows[:limit]
-    bills = usage_service.bills_of_rows(db, settings, shown)
+    bills = billing_service.bills_of_rows(db, settings, shown)
     return [batch_json(values, bills[values["id"]]) for values in shown], len(rows) > limit
 
 

@@ -38,7 +38,7 @@ from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from offpeak.pricing import token_weights
+from offpeak.billing import token_weights
 from offpeak.settings import Settings
 from offpeak.statuses import LineStatus
 from storage.errors import TRANSIENT_DB_ERRORS
