@@ -31,11 +31,12 @@ log = logging.getLogger(__name__)
 LOOKBACK_SECONDS = 35 * 86_400
 
 
-def ended_at(batch: Batch) -> int:
-    """The unix second the batch reached its final status."""
-    for stamp in (batch.completed_at, batch.expired_at, batch.cancelled_at, batch.failed_at):
-        if stamp is not None:
-            return stamp
+def ledger_ended_at(batch: Batch) -> int:
+    """The ledger's ``ended_at`` (never null) of a final batch: ``Batch.ended_at``, or for a
+    final row without its status's stamp, when it began finalizing or else was created."""
+    ended = batch.ended_at
+    if ended is not None:
+        return ended
     return batch.finalizing_at or batch.created_at
 
 
@@ -64,7 +65,7 @@ def bill_batch(settings: Settings, batch_id: str) -> bool:
             return False
         weights = token_weights(settings)
         seconds = billing_repo.attributed_seconds(session, [batch_id], weights).get(batch_id, {})
-        billed_at = time.time()
+        billed_at, ended = time.time(), ledger_ended_at(batch)
         figures = bill(
             settings,
             batch.model,
@@ -83,7 +84,7 @@ def bill_batch(settings: Settings, batch_id: str) -> bool:
                 "model": batch.model,
                 "status": batch.status,
                 "created_at": batch.created_at,
-                "ended_at": ended_at(batch),
+                "ended_at": ended,
                 "window_seconds": _window(batch),
                 "billed_at": billed_at,
                 "requests": batch.completed,
@@ -96,7 +97,7 @@ def bill_batch(settings: Settings, batch_id: str) -> bool:
                 "realtime_price": _money(figures.realtime_price),
             },
         )
-        share = (ended_at(batch) - batch.created_at) / _window(batch) if _window(batch) else None
+        share = (ended - batch.created_at) / _window(batch) if _window(batch) else None
         status = batch.status
     if inserted:
         metrics.observe_billed(status, share if status == BatchStatus.COMPLETED else None)
