@@ -18,7 +18,7 @@ from anthropic.types.messages import MessageBatchIndividualResponse
 from fastapi.testclient import TestClient
 from openai import OpenAI
 
-from api.schemas_message_batches import rfc3339
+from api.schemas.message_batches import rfc3339
 from offpeak.endpoints import anthropic_messages, records
 from offpeak.endpoints.errors import LineError
 from offpeak.endpoints.records import Answer, CompletionRecord, Failure

@@ -15,7 +15,8 @@ from fastapi import APIRouter, Query, Response
 from api.deps import CurrentTenant, PollDep, SessionDep, SettingsDep
 from api.errors import error_responses
 from api.responses import WireJSON
-from api.schemas import BatchList, BatchObject, CreateBatch, list_json
+from api.schemas.batches import BatchList, BatchObject, CreateBatch
+from api.schemas.common import list_json
 from api.services import batches as batches_service
 from api.services import billing as billing_service
 from api.services.idempotency import IdempotencyDep

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from api.deps import CurrentTenant, SessionDep
 from api.errors import error_responses
-from api.schemas import UsageReport
+from api.schemas.usage import UsageReport
 from api.services import billing as billing_service
 from api.services.billing import GroupBy
 

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, Conflict, NotFound, unknown_cursor
-from api.schemas import CreateBatch, batch_json
+from api.schemas.batches import CreateBatch, batch_json
 from api.services import billing as billing_service
 from api.services import files as files_service
 from offpeak import endpoints
@@ -150,8 +150,9 @@ def get(session: Session, tenant_id: str, batch_id: str) -> Batch:
 
 
 def poll(db: Executor, settings: Settings, tenant_id: str, batch_id: str) -> dict[str, Any]:
-    """The Batch object a retrieve answers, as JSON-ready values (``api.schemas.batch_json``):
-    one statement once the batch is billed, two before (the engine time attributed so far).
+    """The Batch object a retrieve answers, as JSON-ready values
+    (``api.schemas.batches.batch_json``): one statement once the batch is billed, two before (the
+    engine time attributed so far).
     Read-only, rows rather than ORM objects: a status poll.
 
     Raises ``NotFound`` for an unknown or another tenant's batch."""

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from sqlalchemy.orm import Session
 
 from api.errors import BadRequest
-from api.schemas import UsageBucket, UsageReport
+from api.schemas.usage import UsageBucket, UsageReport
 from offpeak.billing import MONEY_DIGITS, Bill, bill, cost_per_million_tokens, token_weights
 from offpeak.settings import Settings
 from storage.db import Executor

@@ -9,7 +9,7 @@ import time
 from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, NotFound
-from api.schemas_webhooks import CreateWebhookEndpoint, UpdateWebhookEndpoint
+from api.schemas.webhooks import CreateWebhookEndpoint, UpdateWebhookEndpoint
 from offpeak import webhooks
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings

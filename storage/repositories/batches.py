@@ -28,7 +28,7 @@ def get(session: Session, tenant_id: str, batch_id: str) -> Batch | None:
     return session.scalar(_of_tenant(tenant_id, batch_id))
 
 
-#: The columns a status poll shows (``api.schemas.batch_json``), named as ``Batch``'s
+#: The columns a status poll shows (``api.schemas.batches.batch_json``), named as ``Batch``'s
 #: attributes, so the same code reads a row of them and a ``Batch``.
 POLL_COLUMNS = (
     Batch.id, Batch.endpoint, Batch.model, Batch.errors, Batch.input_file_id,
