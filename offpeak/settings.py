@@ -426,7 +426,7 @@ class Settings(BaseSettings):
     #: case the process that reserved it died before answering.
     idempotency_in_flight_seconds: float = 60.0
 
-    # Webhooks (``api/services/webhooks.py``, ``workers/webhooks.py``, Standard Webhooks).
+    # Webhooks (``api/services/webhooks.py``, ``workers/webhook_delivery.py``, Standard Webhooks).
     #: Allow endpoint URLs whose host resolves to a private, loopback, link-local or otherwise
     #: non-public address (tests, a receiver on the same private network). Off: refused.
     webhook_allow_private_targets: bool = False

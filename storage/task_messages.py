@@ -134,6 +134,6 @@ def send_drain(settings: Settings, model: str) -> None:
 
 def send_deliver_webhooks(settings: Settings) -> None:
     """Queue a webhook delivery run (control queue) unless one is already queued: the outbox's
-    due deliveries are sent by it (``workers.webhooks.deliver_due``)."""
+    due deliveries are sent by it (``workers.webhook_delivery.deliver_due``)."""
     messages: dict[str, list[str]] = {WEBHOOKS_KEY: []}
     _send_once(settings, WEBHOOKS_TASK, control_queue(settings), messages)

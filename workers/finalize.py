@@ -23,7 +23,7 @@ from storage.models import Batch, File
 from storage.repositories import batches as batches_repo
 from storage.repositories import files as files_repo
 from storage.repositories import requests as requests_repo
-from workers import billing, webhooks
+from workers import billing, webhook_delivery
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ def _advance(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
         batch.status = target
         setattr(batch, final[target], stamp)
         # The outbox row commits with the status, never an HTTP call under this lock.
-        webhooks.record_final(session, settings, batch)
+        webhook_delivery.record_final(session, settings, batch)
         log.info(
             "batch %s %s: %d completed, %d failed", batch_id, target, batch.completed, batch.failed
         )

@@ -17,7 +17,7 @@ from storage.db import session_scope
 from storage.repositories import batches as batches_repo
 from storage.repositories import queued_messages
 from storage.repositories import requests as requests_repo
-from workers import billing, retention, webhooks
+from workers import billing, retention, webhook_delivery
 from workers import worker_metrics as metrics
 from workers.celery_app import app
 from workers.engine import registry, release
@@ -187,10 +187,10 @@ def finalize_batch(batch_id: str, mark: str | None = None) -> None:
 
 @app.task(name=queues.WEBHOOKS_TASK)
 def deliver_webhooks(mark: str | None = None) -> None:
-    """Send every webhook delivery that is due (``workers.webhooks.deliver_due``)."""
+    """Send every webhook delivery that is due (``workers.webhook_delivery.deliver_due``)."""
     settings = get_settings()
     task_messages.message_started(settings, queues.WEBHOOKS_KEY, mark)
-    webhooks.deliver_due(settings)
+    webhook_delivery.deliver_due(settings)
 
 
 @app.task(name=queues.SWEEP_TASK)
@@ -217,7 +217,7 @@ def sweep() -> None:
     # Every configured model: one with nothing left gets its replicas needed back to 0.
     sweep_estimates(settings, list(settings.models), time.time())
     billing.bill_unbilled(settings)  # ended batches whose billing step failed or never ran
-    if webhooks.any_due(settings):  # retries coming due, and any run whose message was lost
+    if webhook_delivery.any_due(settings):  # retries coming due, and any run whose message was lost
         task_messages.send_deliver_webhooks(settings)
     retention.sweep_if_due(settings)
     metrics.sample_load(settings)
