@@ -142,7 +142,7 @@ def worker(
     elif role == "engine":
         from celery.signals import worker_ready
 
-        from workers.runner.collector import tune_collector
+        from workers.runner.gc_tuning import tune_collector
 
         tune_collector()  # the runner's lines would trigger full collections (see there)
 
