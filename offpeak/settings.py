@@ -418,7 +418,7 @@ class Settings(BaseSettings):
     #: case the process that reserved it died before answering.
     idempotency_in_flight_seconds: float = 60.0
 
-    # Webhooks (``api/services/webhooks.py``, ``workers/webhooks.py``, Standard Webhooks).
+    # Webhooks (``api/services/webhooks.py``, ``workers/webhook_delivery.py``, Standard Webhooks).
     #: Allow endpoint URLs whose host resolves to a private, loopback, link-local or otherwise
     #: non-public address (tests, a receiver on the same private network). Off: refused.
     webhook_allow_private_targets: bool = False
@@ -469,7 +469,7 @@ class Settings(BaseSettings):
     #: logged either way.
     api_access_log: bool = False
 
-    # Accounting (``workers.accounting``): prices, and how engine time is split among batches.
+    # Accounting (``workers.billing``): prices, and how engine time is split among batches.
     #: Real-time list prices and GPU costs per served model; a model absent here lists at 0.
     pricing: dict[str, ModelPricing] = Field(default_factory=_default_pricing)
     #: Dollars per hour of engine time per worker pool (an engine chunk's ``device``: ``cpu`` or
@@ -482,7 +482,7 @@ class Settings(BaseSettings):
     batch_discount: float = 0.5
     #: A chunk's seconds go to its batches in proportion to weighted tokens: uncached prompt
     #: tokens x ``prefill_token_weight`` + cached prompt tokens x ``cached_token_weight`` +
-    #: completion tokens x ``decode_token_weight`` (see ``storage.repositories.ledger``).
+    #: completion tokens x ``decode_token_weight`` (see ``storage.repositories.billing``).
     prefill_token_weight: float = 0.25
     cached_token_weight: float = 0.0
     decode_token_weight: float = 1.0

@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from offpeak import endpoints, pricing
+from offpeak import billing, endpoints
 from offpeak.endpoints.base import Tokenizer
 from offpeak.endpoints.errors import LineError
 from offpeak.settings import ModelConfig, Settings
@@ -142,14 +142,14 @@ class Estimate:
     def as_json(self, settings: Settings) -> dict[str, Any]:
         """``{prompt_tokens, max_completion_tokens, price_low, price_high, requests,
         invalid_requests}``; prices in US dollars at the batch price (real-time list price ×
-        (1 − batch discount), ``offpeak.pricing``), before any prefix-cache discount."""
-        discount = 1 - pricing.batch_discount(settings, self.model)
+        (1 − batch discount), ``offpeak.billing``), before any prefix-cache discount."""
+        discount = 1 - billing.batch_discount(settings, self.model)
 
         def price(output_tokens: int) -> float:
-            listed = pricing.realtime_price(
+            listed = billing.realtime_price(
                 settings, self.model, self.prompt_tokens, 0, output_tokens
             )
-            return round(listed * discount, pricing.MONEY_DIGITS)
+            return round(listed * discount, billing.MONEY_DIGITS)
 
         return {
             "prompt_tokens": self.prompt_tokens,
