@@ -8,14 +8,17 @@ The tests marked ``engine`` run real vLLM engines (run them under
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -220,3 +223,52 @@ def test_sigterm_ends_the_two_engine_worker_tree_within_its_stop_timeout(
     assert len(output) == len(ids) and errors == []
     check_billed_once(stop_settings.resolved_database_url, batch)
 
+
+# -- a benchmark interrupted during a leg -----------------------------------------------------
+
+
+def in_session(sid: int) -> list[psutil.Process]:
+    """Every running process of session ``sid`` (orphans keep their session)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == sid:
+                found.append(proc)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return alive(found)
+
+
+@pytest.mark.engine
+def test_sigterm_to_a_benchmark_during_a_raw_engine_leg_leaves_no_engine(
+    tmp_path: Path,
+) -> None:
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "offpeak", "bench", "e2e", "--requests", "2", "--max-tokens", "2",
+         "--max-num-seqs", "2", "--out", str(tmp_path)],
+        stdout=(tmp_path / "bench.log").open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own session: what it leaves behind is found there
+    )  # fmt: skip
+    log = tmp_path / "bench.log"
+
+    def engine_core_up() -> bool:
+        assert bench.poll() is None, log.read_text()
+        return any("VLLM::EngineCore" in describe(p) for p in tree(bench.pid))
+
+    wait_until(engine_core_up, 900, "in the raw leg")
+    procs = alive(tree(bench.pid))
+    names = {proc.pid: describe(proc) for proc in procs}
+    assert any("bench.raw_engine" in what for what in names.values()), names
+
+    bench.send_signal(signal.SIGTERM)
+    code = bench.wait(timeout=60)
+    ended = watch_until_gone(procs, 30)
+    left = [names[p.pid] for p in procs if p.pid not in ended]
+    strays = in_session(bench.pid)
+    stray = [describe(p) for p in strays]
+    for proc in [*alive(procs), *strays]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()  # not left to the next test
+    assert left == [] and stray == [], f"left: {left}\nstray: {stray}\n{log.read_text()[-3000:]}"
+    assert code != 0
