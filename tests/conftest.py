@@ -233,6 +233,7 @@ ENGINE_UNITS: dict[str, tuple[str, ...]] = {
     "in-process engine": ("test_engine_remote", "test_engine_vllm"),
     "test_lifecycle": ("test_lifecycle",),
     "test_crash": ("test_crash",),
+    "test_stop": ("test_stop",),
 }
 _UNIT_OF = {f"tests/{name}.py": unit for unit, names in ENGINE_UNITS.items() for name in names}
 LIVE_MODULES = frozenset(f"tests/{name}.py" for name in ENGINE_UNITS["live stack"])

@@ -89,7 +89,12 @@ def loaded() -> dict[str, Engine]:
     return dict(_engines)
 
 
-def close_all() -> None:
-    for engine in _engines.values():
-        engine.close()
+def close_all(until: float | None = None) -> list[str]:
+    """Close every loaded engine at once (``workers.shutdown.close_engines``), waiting for the
+    closes until ``until`` (``time.monotonic()``; ``None``: until all return); the names whose
+    close had not returned by then."""
+    from workers.shutdown import close_engines
+
+    engines = dict(_engines)
     _engines.clear()
+    return close_engines(engines, until)
