@@ -23,7 +23,7 @@ from workers.calibration import (
     fit_step_model,
     load_calibration,
 )
-from workers.engine.base import Completion, EngineRequest, EngineResult
+from workers.engine.base import Completion, EngineCapabilities, EngineRequest, EngineResult
 from workers.planner import (
     StepModel,
     choose_engine_limits,
@@ -260,6 +260,8 @@ class SleepingEngine:
 
     model_name = "fake-model"
     max_model_len = 2048
+    capabilities = EngineCapabilities()
+    server_meter = None
 
     def __init__(self, base_s: float, per_seq_s: float, prefill_s: float) -> None:
         self.base_s, self.per_seq_s, self.prefill_s = base_s, per_seq_s, prefill_s

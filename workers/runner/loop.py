@@ -208,7 +208,7 @@ class Runner:
             settings, self.store, owner, self.model, device, self.clock.time(), export_metrics
         )
         # A remote engine's server is shared: its time is charged by our share of its tokens.
-        self.writer.share_server(getattr(engine, "server_meter", None))
+        self.writer.share_server(engine.server_meter)
         self._urgent: set[str] = set()
         #: Every batch that has been urgent in this process (the simulation reports it).
         self.urgent_seen: set[str] = set()
@@ -243,7 +243,7 @@ class Runner:
         old engine's lines were handed back when it failed."""
         assert not self.held, "replace_engine while holding lines"
         self.engine = engine
-        self.writer.share_server(getattr(engine, "server_meter", None))
+        self.writer.share_server(engine.server_meter)
         self.room = engine_room(engine, self.settings.models.get(self.model))
         self.slots = self._sized_slots = self.room.max_num_seqs
         if self.lane is not None:
@@ -380,7 +380,7 @@ class Runner:
         # Every running sequence gains a token per step: the rate counts tokens of lines still
         # running too, which finished-line counts miss right after the engine fills up. A
         # remote engine's step is a poll, not a decode step: it counts the tokens that finished.
-        if getattr(self.engine, "step_is_poll", False):
+        if self.engine.capabilities.step_is_poll:
             running = sum(len(c.token_ids) for r in finished for c in r.completions)
         keep = math.exp(-elapsed / RATE_SECONDS)
         self._rate_tokens = self._rate_tokens * keep + running
