@@ -197,7 +197,7 @@ def idle(server: VllmServer, timeout: float = 60) -> None:
 def test_connect_reads_the_servers_context_window(engine: RemoteEngine) -> None:
     assert engine.max_model_len == 2048
     assert engine.metrics_url == f"{engine.base_url}/metrics"
-    assert engine.max_num_seqs == engine.max_in_flight == 64
+    assert engine.capabilities.max_num_seqs == engine.max_in_flight == 64
 
 
 def test_answers_capital_of_france(engine: RemoteEngine) -> None:

@@ -23,7 +23,7 @@ from workers.calibration import (
     fit_step_model,
     load_calibration,
 )
-from workers.engine.base import Completion, EngineRequest, EngineResult
+from workers.engine.base import Completion, EngineCapabilities, EngineRequest, EngineResult
 from workers.planner import (
     StepModel,
     choose_engine_limits,
@@ -260,6 +260,8 @@ class SleepingEngine:
 
     model_name = "fake-model"
     max_model_len = 2048
+    capabilities = EngineCapabilities()
+    server_meter = None
 
     def __init__(self, base_s: float, per_seq_s: float, prefill_s: float) -> None:
         self.base_s, self.per_seq_s, self.prefill_s = base_s, per_seq_s, prefill_s
@@ -351,9 +353,9 @@ def test_plan_batch_calibrated_without_calibration_fails(cache_dir: Path) -> Non
 
 
 def test_fit_step_model_never_fits_a_step_that_gets_cheaper_with_more_sequences() -> None:
-    """Flat steps with timing noise (the suite's engine on a fresh clone: about 68 ms at 1, 8 and 16 sequences) fit a
-    negative slope by plain least squares; the model holds it at 0 through the mean, and a
-    rising curve still gets its own slope."""
+    """Flat steps with timing noise (the suite's engine steps about as long at 1, 8 and 16
+    sequences) fit a negative slope by plain least squares; the model holds it at 0 through the
+    mean, and a rising curve still gets its own slope."""
     flat = [
         CalibrationPoint(1, 69.1, 6),
         CalibrationPoint(8, 68.9, 6),

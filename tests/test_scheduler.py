@@ -285,7 +285,7 @@ def test_claims_overlap_the_steps_of_an_engine_that_empties_every_step(
     (nothing held yet) is made on the loop thread, besides the looks for more once the batch
     ran out (nothing held then either). And while the engine empties every step, the runner
     holds up to ``chunk_size`` lines, not ``slots × queue_depth``: a claim per step was the
-    pace of such an engine (``Runner._claim_limit``)."""
+    pace of such an engine (``ClaimPipeline.limit``)."""
     name, sdk = tenant
 
     class ThreadStore(DbStore):
