@@ -1,13 +1,10 @@
 """The whole lifecycle through the official OpenAI SDK against a live API and workers on the real
-SmolLM2 model: answers, sampling parameters, cancel mid-run, and the CLI a user types."""
+SmolLM2 model: answers, sampling parameters and cancel mid-run (the CLI a user types:
+``tests/integration/test_cli_script.py``)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -111,42 +108,3 @@ def test_cancel_mid_run(live_sdk: OpenAI, live: Any) -> None:
     assert batch.usage.output_tokens == sum(
         line["response"]["body"]["usage"]["completion_tokens"] for line in output
     )
-
-
-def test_cli_submit_wait_and_download(live: Any, live_sdk: OpenAI, tmp_path: Path) -> None:
-    path = tmp_path / "mine.jsonl"
-    path.write_bytes(chat_line("one", "Say hello.", max_tokens=8, temperature=0) + b"\n")
-    env = {
-        **os.environ,
-        "OPENAI_BASE_URL": str(live_sdk.base_url),
-        "OPENAI_API_KEY": live_sdk.api_key,
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "offpeak", "submit", str(path), "--wait"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "completed" in done.stdout
-    batch_id = next(w for w in done.stdout.split() if w.startswith("batch_"))
-    status = subprocess.run(
-        [sys.executable, "-m", "offpeak", "status", batch_id],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert "1 completed" in status.stdout
-    target = tmp_path / "out.jsonl"
-    got = subprocess.run(
-        [sys.executable, "-m", "offpeak", "download", batch_id, "-o", str(target)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert got.returncode == 0, got.stderr
-    [line] = [orjson.loads(x) for x in target.read_bytes().splitlines()]
-    assert line["custom_id"] == "one" and line["response"]["status_code"] == 200

@@ -1,6 +1,5 @@
 """The estimate on the real SmolLM2: ``offpeak estimate`` counts with the model's own tokenizer,
-the prompt tokens the live stack's estimate counts are the ones vLLM prefilled and billed, and
-``offpeak submit --wait`` as a script exits as the batch ends."""
+and the prompt tokens the live stack's estimate counts are the ones vLLM prefilled and billed."""
 
 from __future__ import annotations
 
@@ -63,55 +62,6 @@ def test_the_estimate_counts_the_prompt_tokens_the_engine_bills(
     assert estimate["prompt_tokens"] == ended.usage.input_tokens
     price = (ended.model_extra or {})["price"]
     assert estimate["price_low"] <= price <= estimate["price_high"]
-
-
-def test_submit_wait_through_the_console_script_on_the_live_stack(
-    live: ServiceProcesses,
-    live_settings,
-    tmp_path,  # type: ignore[no-untyped-def]
-) -> None:
-    """``offpeak submit --wait`` as a script runs it (a subprocess, the real API and workers):
-    exit 0 for a batch that completes, 3 and a line saying so for one that fails validation."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.support.database import new_key
-
-    env = {
-        **os.environ,
-        "OPENAI_BASE_URL": f"{live.base_url}/v1",
-        "OPENAI_API_KEY": new_key(live_settings),
-    }
-    good = tmp_path / "good.jsonl"
-    good.write_bytes(
-        orjson.dumps(
-            {
-                "custom_id": "a",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": DEFAULT_MODEL,
-                    "messages": [{"role": "user", "content": "Say hi."}],
-                    "max_tokens": 8,
-                },
-            }
-        )
-        + b"\n"
-    )
-    bad = tmp_path / "bad.jsonl"
-    bad.write_bytes(good.read_bytes().replace(DEFAULT_MODEL.encode(), b"no-such-model"))
-    command = [sys.executable, "-c", "from offpeak.cli import main; main()", "submit"]
-    done = subprocess.run(
-        [*command, str(good), "--wait"], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "completed" in done.stdout and "ETA" in done.stdout
-    failed = subprocess.run(
-        [*command, str(bad), "--wait"], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert failed.returncode == 3, failed.stdout + failed.stderr
-    assert "ended failed (exit 3)" in failed.stderr
 
 
 def jsonl(*lines: bytes) -> bytes:

@@ -1,5 +1,7 @@
-"""Every input case from users' bug reports (``shared/cases``), against a live API and workers on
-the real SmolLM2 model. See ``shared/cases/README.md`` for what ``expect.json`` means."""
+"""Every input case from users' bug reports (``tests/cases``, a copy of ``shared/cases``) through
+the API and workers as processes, on the instant engine: the cases are about what the service
+does with a file, not the model's answers. See ``tests/cases/README.md`` for what
+``expect.json`` means."""
 
 from __future__ import annotations
 
@@ -14,8 +16,6 @@ from openai import OpenAI
 
 from tests.support.batches import CASES, check_ran_batch, wait_for_end
 
-pytestmark = pytest.mark.engine
-
 CASE_DIRS = sorted(p for p in CASES.iterdir() if (p / "expect.json").exists())
 
 
@@ -29,7 +29,7 @@ def input_custom_ids(raw: bytes) -> list[str]:
     return ids
 
 
-def run_case(client: OpenAI, live: Any, case: Path, expect: dict[str, Any]) -> None:
+def run_case(client: OpenAI, stack: Any, case: Path, expect: dict[str, Any]) -> None:
     raw = (case / "input.jsonl").read_bytes()
     endpoint = expect.get("endpoint", "/v1/chat/completions")
     http = httpx.Client(
@@ -53,7 +53,7 @@ def run_case(client: OpenAI, live: Any, case: Path, expect: dict[str, Any]) -> N
             assert error["param"] == expect["create_param"]
         return
     assert created.status_code == 200, created.text
-    batch = wait_for_end(client, created.json()["id"], live)
+    batch = wait_for_end(client, created.json()["id"], stack)
     assert batch.status == expect["batch_status"], batch
     for wanted in expect.get("errors", []):
         found = batch.errors.data if batch.errors else []
@@ -88,10 +88,10 @@ def run_case(client: OpenAI, live: Any, case: Path, expect: dict[str, Any]) -> N
 
 
 @pytest.mark.parametrize("case", CASE_DIRS, ids=[p.name for p in CASE_DIRS])
-def test_case(case: Path, live_sdk: OpenAI, live: Any) -> None:
+def test_case(case: Path, instant_sdk: OpenAI, instant_stack: Any) -> None:
     expect = json.loads((case / "expect.json").read_text())
     for _ in range(expect.get("repeat", 1)):
-        run_case(live_sdk, live, case, expect)
+        run_case(instant_sdk, instant_stack, case, expect)
 
 
 def test_cases_match_the_shared_copy() -> None:
