@@ -1,4 +1,4 @@
-"""Benchmark: co-serving batch work through a real-time vLLM server (issue 11, part 6).
+"""Benchmark: co-serving batch work through a real-time vLLM server.
 
 One real ``vllm serve`` (CPU, the default model, float32, ``--scheduling-policy priority``) is
 the real-time server. A load generator of our own sends it open-loop Poisson arrivals of
@@ -34,22 +34,28 @@ real-time requests (the code is the engine worker's; only the process differs).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import statistics
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 
 from bench import harness
-from bench.generator import SYSTEM_PROMPT, chat_requests, write_jsonl
+from bench.generator import chat_requests, write_jsonl
+from bench.realtime import (
+    RT_REPLY,
+    RealtimeLoad,
+    RtRecord,
+    calibrate_server,
+    measure_prefill,
+    prompt_tokens,
+)
 from bench.servers import VllmServe, free_port
 from offpeak.settings import DEFAULT_MODEL, LaneSettings, ModelConfig, SchedulerSettings, Settings
 
@@ -70,181 +76,10 @@ SERVE_ARGS = (
     "--custom-histogram-buckets",
     json.dumps({"inter_token_latency": ITL_BUCKETS, "time_to_first_token": TTFT_BUCKETS}),
 )  # fmt: skip
-#: Real-time replies (tokens), uniform, as max_tokens with ignore_eos so lengths are what we ask.
-RT_REPLY = (24, 72)
 #: Real-time rates as fractions of the measured real-time capacity.
 QUIET, BUSY = 0.2, 0.75
 TARGET_HARVEST = 0.70
-RT_QUESTIONS = (
-    "What is the capital of France?",
-    "Explain what a hash table is.",
-    "Why is the sky blue?",
-    "What does a database index do?",
-    "Summarize the water cycle.",
-    "How does a bicycle stay upright?",
-)
 ROOT = Path(__file__).resolve().parents[1]
-
-
-# --- The real-time server -----------------------------------------------------------------------
-
-
-# --- Real-time load -----------------------------------------------------------------------------
-
-
-@dataclass
-class RtRecord:
-    """One real-time request: sent ``at`` seconds after the leg started; seconds."""
-
-    at: float
-    ttft: float | None = None
-    tpot: float | None = None
-    tokens: int = 0
-    seconds: float = 0.0
-    error: str | None = None
-
-
-async def _stream_chat(
-    client: httpx.AsyncClient, name: str, question: str, max_tokens: int, record: RtRecord
-) -> None:
-    body = {
-        "model": name,
-        "messages": [{"role": "system", "content": SYSTEM_PROMPT},
-                     {"role": "user", "content": question}],
-        "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
-    }  # fmt: skip
-    sent = time.perf_counter()
-    first = last = None
-    tokens = 0
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            response.raise_for_status()
-            async for raw in response.aiter_lines():
-                if not raw.startswith("data: ") or raw == "data: [DONE]":
-                    continue
-                chunk = json.loads(raw[6:])
-                choices = chunk.get("choices") or []
-                if choices and choices[0].get("delta", {}).get("content"):
-                    last = time.perf_counter()
-                    first = first or last
-                    tokens += 1
-    except (httpx.HTTPError, ValueError) as exc:
-        record.error = repr(exc)
-        return
-    record.seconds = time.perf_counter() - sent
-    record.tokens = tokens
-    if first is not None:
-        record.ttft = first - sent
-        if tokens > 1 and last is not None:
-            record.tpot = (last - first) / (tokens - 1)
-
-
-class RealtimeLoad:
-    """Open-loop Poisson arrivals of streaming chat requests over ``phases`` (``(start, end,
-    rate per second, seed)`` in seconds after ``start()``; each phase draws from its own seed,
-    so the same phase brings the same requests in every leg), on an event loop in a thread of
-    its own."""
-
-    def __init__(self, base: str, name: str, phases: list[tuple[float, float, float, int]]) -> None:
-        self.base, self.name, self.phases = base, name, phases
-        self.records: list[RtRecord] = []
-        self.t0 = 0.0
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    def start(self, t0: float) -> None:
-        self.t0 = t0
-        self._thread.start()
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-
-    async def _run(self) -> None:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        async with httpx.AsyncClient(base_url=self.base, timeout=120, limits=limits) as client:
-            tasks = []
-            for start, end, rate, seed in self.phases:
-                rng = np.random.default_rng(seed)
-                at = start
-                while rate > 0:
-                    at += float(rng.exponential(1 / rate))
-                    if at >= end:
-                        break
-                    delay = self.t0 + at - time.perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    record = RtRecord(at)
-                    self.records.append(record)
-                    question = RT_QUESTIONS[len(self.records) % len(RT_QUESTIONS)]
-                    reply = int(rng.integers(RT_REPLY[0], RT_REPLY[1] + 1))
-                    tasks.append(
-                        asyncio.create_task(
-                            _stream_chat(client, self.name, question, reply, record)
-                        )
-                    )
-            end = self.phases[-1][1] if self.phases else 0.0
-            await asyncio.sleep(max(0.0, self.t0 + end - time.perf_counter()))
-            if tasks:
-                await asyncio.wait(tasks, timeout=60)
-
-
-# --- The step model, measured on the server ------------------------------------------------------
-
-
-def calibrate_server(base: str, name: str, sizes: tuple[int, ...]) -> dict[str, Any]:
-    """``base_ms + per_seq_ms × batch`` fitted to the median client TPOT of ``size`` concurrent
-    streaming requests (48 tokens each) at each size."""
-    from workers.calibration import CalibrationPoint, fit_step_model
-
-    async def level(size: int) -> float:
-        records = [RtRecord(0.0) for _ in range(size)]
-        async with httpx.AsyncClient(base_url=base, timeout=300) as client:
-            await asyncio.gather(
-                *(_stream_chat(client, name, "Count from one to one hundred in words.", 48, r)
-                  for r in records)
-            )  # fmt: skip
-        values = [r.tpot for r in records if r.tpot is not None]
-        if not values:
-            raise RuntimeError(f"no TPOT measured at {size} sequences: {records[0].error}")
-        return statistics.median(values)
-
-    asyncio.run(level(2))  # warm-up
-    points = [CalibrationPoint(size, 1000 * asyncio.run(level(size)), 48) for size in sizes]
-    model = fit_step_model(points)
-    return {"base_ms": model.base_ms, "per_seq_ms": model.per_seq_ms,
-            "points": [asdict(p) for p in points]}  # fmt: skip
-
-
-def measure_prefill(base: str, name: str, lengths: tuple[int, int] = (64, 512)) -> dict[str, Any]:
-    """Seconds per prompt token of prefill: the least-squares slope of one-token completion
-    latency against prompt length (random token ids, so the prefix cache never hits), median of
-    three per length, on an idle server."""
-    rng = np.random.default_rng(7)
-    medians = []
-    with httpx.Client(base_url=base, timeout=120) as client:
-        for length in lengths:
-            times = []
-            for _ in range(3):
-                prompt = [int(t) for t in rng.integers(1000, 40000, size=length)]
-                body = {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
-                started = time.perf_counter()
-                client.post("/v1/completions", json=body).raise_for_status()
-                times.append(time.perf_counter() - started)
-            medians.append(statistics.median(times))
-    slope = (medians[1] - medians[0]) / (lengths[1] - lengths[0])
-    return {"prefill_s_per_token": max(slope, 0.0), "lengths": list(lengths),
-            "latency_s": medians}  # fmt: skip
-
-
-def prompt_tokens(base: str, name: str) -> int:
-    """Prompt tokens of a real-time request (the system prompt and a question, templated)."""
-    body = {
-        "model": name, "max_tokens": 1,
-        "messages": [{"role": "system", "content": SYSTEM_PROMPT},
-                     {"role": "user", "content": RT_QUESTIONS[0]}],
-    }  # fmt: skip
-    response = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
-    response.raise_for_status()
-    return int(response.json()["usage"]["prompt_tokens"])
 
 
 @dataclass(frozen=True)
