@@ -400,6 +400,10 @@ class Settings(BaseSettings):
     #: The bearer key of the admin API (``/v1/admin/...``: pause, resume, scheduler state).
     #: Unset: the admin API refuses every call (``offpeak pause`` works on the database).
     admin_api_key: str | None = None
+    #: Wrong keys one client address may send per ``auth_failure_window_seconds`` before the
+    #: API answers its ``/v1`` requests 429 until the window ends (key guessing costs a lookup).
+    auth_failures_allowed: int = Field(default=20, ge=1)
+    auth_failure_window_seconds: float = Field(default=60.0, gt=0)
 
     # Limits: OpenAI's (https://platform.openai.com/docs/guides/batch, "Rate limits").
     max_file_bytes: int = 200 * 1024 * 1024
