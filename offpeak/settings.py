@@ -480,6 +480,18 @@ class Settings(BaseSettings):
     #: of requests a second) formatting and writing those lines took 7-9% of an API process's
     #: CPU (docs/benchmarks.md, "Status polls"); errors are logged either way.
     api_access_log: bool = False
+    # The listener's own bounds (``api/server.py``), so the API holds without a proxy in front.
+    #: Bytes of a request line and headers; more is answered 431 (nginx's largest default
+    #: buffers, 4 x 8 KiB).
+    api_max_header_bytes: int = Field(default=32 * 1024, ge=1024)
+    #: Seconds a request's headers may take from its first byte; then the connection closes.
+    api_header_timeout_seconds: float = Field(default=10.0, gt=0)
+    #: Seconds a request's body may pause between bytes; then the connection closes.
+    api_body_timeout_seconds: float = Field(default=30.0, gt=0)
+    #: Connections and requests in progress per API process; past it, requests are answered 503.
+    api_max_concurrency: int = Field(default=1000, ge=1)
+    #: Seconds an idle kept-alive connection stays open.
+    api_keep_alive_seconds: int = Field(default=5, ge=1)
 
     # Accounting (``workers.accounting``): prices, and how engine time is split among batches.
     #: Real-time list prices and GPU costs per served model; a model absent here lists at 0.

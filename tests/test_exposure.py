@@ -1,7 +1,8 @@
 """Attacks on the API from outside, without a key: a real ``offpeak serve`` process is sent
-large bodies on every method and deeply nested JSON; the key is checked before any body is read,
-its memory stays bounded and another client's polls are answered meanwhile. The wrong-key
-throttle runs on an in-process app of its own."""
+large bodies on every method, deeply nested JSON, oversized and unfinished headers, stalled
+bodies and more connections than it takes; it answers within its bounds, its memory stays
+bounded and another client's polls are answered meanwhile. The wrong-key throttle runs on an
+in-process app of its own."""
 
 from __future__ import annotations
 
@@ -28,6 +29,15 @@ MIB = 1 << 20
 #: What an anonymous attack may add to the API's resident memory.
 RSS_BOUND = 16 * MIB
 ATTACK_BYTES = 64 * MIB
+#: The listener's bounds for this module's server (``api/server.py``), short to keep tests quick.
+HEADER_TIMEOUT = 2.0
+BODY_TIMEOUT = 2.0
+MAX_CONCURRENCY = 40
+LIMITS = {
+    "OFFPEAK_API_HEADER_TIMEOUT_SECONDS": str(HEADER_TIMEOUT),
+    "OFFPEAK_API_BODY_TIMEOUT_SECONDS": str(BODY_TIMEOUT),
+    "OFFPEAK_API_MAX_CONCURRENCY": str(MAX_CONCURRENCY),
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +45,7 @@ def api(base_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
     """``offpeak serve`` in a process of its own; yields its base URL."""
     port = free_port()
     log = tmp_path_factory.mktemp("gate") / "api.log"
-    env = {**os.environ, **base_env, "OFFPEAK_API_PORT": str(port)}
+    env = {**os.environ, **base_env, **LIMITS, "OFFPEAK_API_PORT": str(port)}
     cli = Path(sys.executable).with_name("offpeak")
     with log.open("wb") as out:
         proc = subprocess.Popen([str(cli), "serve"], env=env, stdout=out, stderr=out)
@@ -226,3 +236,94 @@ def test_the_admin_api_checks_its_key_before_the_body(http: TestClient) -> None:
     response = http.post("/v1/admin/scheduler/pause", content=_nested(5000))
     assert response.status_code == 401
     assert "admin" in response.json()["error"]["message"]
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    """Whether the server closed ``sock`` within ``seconds``, and what it wrote before."""
+    sock.settimeout(0.2)
+    answer = b""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except OSError:
+            return True, answer
+        if not data:
+            return True, answer
+        answer += data
+    return False, answer
+
+
+def test_oversized_headers_are_a_431_and_cost_no_memory(api: str) -> None:
+    pid = _api_pid(api)
+    before = _rss(pid)
+    with socket.create_connection(("127.0.0.1", _port(api)), timeout=10) as sock:
+        sock.sendall(b"GET /v1/batches HTTP/1.1\r\nHost: x\r\n")
+        try:
+            for _ in range(8 * 64):  # 8 MiB of one header's value, in 16 KiB pieces
+                sock.sendall(b"X-Big: " + b"a" * (16 * 1024) + b"\r\n")
+        except OSError:
+            pass  # refused and closed mid-send
+        closed, answer = _closed_within(sock, 5)
+    assert closed and answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert _rss(pid) - before < RSS_BOUND
+
+
+def test_unfinished_headers_are_closed_at_their_deadline_while_others_are_served(
+    api: str, settings: Settings
+) -> None:
+    socks = [socket.create_connection(("127.0.0.1", _port(api)), timeout=10) for _ in range(30)]
+    try:
+        for sock in socks:
+            sock.sendall(b"GET /v1/batches HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+        key = new_key(settings)
+        poll = httpx.get(f"{api}/v1/batches", headers={"Authorization": f"Bearer {key}"})
+        assert poll.status_code == 200
+        for sock in socks:
+            closed, answer = _closed_within(sock, HEADER_TIMEOUT + 5)
+            assert closed and answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_a_stalled_body_is_closed_at_its_deadline(api: str, settings: Settings) -> None:
+    key = new_key(settings)
+    with socket.create_connection(("127.0.0.1", _port(api)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/batches HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {key}\r\nContent-Length: 100\r\n\r\n".encode()
+            + b'{"input_file_id": '
+        )
+        started = time.monotonic()
+        closed, answer = _closed_within(sock, BODY_TIMEOUT + 10)
+    assert closed, "the stalled request was still open"
+    assert time.monotonic() - started >= BODY_TIMEOUT - 0.5
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+
+
+def test_past_the_concurrency_cap_requests_are_a_503(api: str, settings: Settings) -> None:
+    key = new_key(settings)
+    socks = [
+        socket.create_connection(("127.0.0.1", _port(api)), timeout=10)
+        for _ in range(MAX_CONCURRENCY)
+    ]
+    try:
+        refused = httpx.get(f"{api}/v1/batches", headers={"Authorization": f"Bearer {key}"})
+        assert refused.status_code == 503
+    finally:
+        for sock in socks:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        answer = httpx.get(f"{api}/v1/batches", headers={"Authorization": f"Bearer {key}"})
+        if answer.status_code == 200:
+            break
+        time.sleep(0.2)
+    assert answer.status_code == 200
