@@ -7,6 +7,7 @@ COPY workers workers
 COPY storage storage
 COPY migrations migrations
 COPY offpeak offpeak
+COPY bench bench
 COPY examples examples
 ARG OFFPEAK_EXTRA=gpu
 RUN pip install --no-cache-dir ".[${OFFPEAK_EXTRA}]"

@@ -46,9 +46,8 @@ def get_session(settings: SettingsDep) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
-#: Threads ``Reader`` runs reads on, per API process. A read holds one for its statement's
-#: round trip (under a millisecond here) and the process runs Python on one core at a time,
-#: so a few keep PostgreSQL busy; more only take turns at the GIL with the event loop.
+#: Threads ``Reader`` runs reads on, per API process: a read holds one for a sub-millisecond
+#: round trip, so a few keep PostgreSQL busy; more only take turns at the GIL.
 READ_THREADS = 8
 
 
@@ -56,23 +55,11 @@ class Reader:
     """Runs a read-only function on a connection of its own (``storage.db.read``: autocommit,
     no pre-ping, Core rows), for the endpoints users poll (``async def`` routes).
 
-    On PostgreSQL a poll's read runs **on the event loop** (``__call__``): it is one or two
-    indexed statements of about a tenth of a millisecond each on the driver's cursor
-    (``storage.db.PollQuery``), and handing it to a thread and back cost more than the round trip
-    it waits for (the future, the loop's wake-up and the GIL's hand-off). Measured with
-    ``offpeak bench polls`` (2 API workers, 50 clients, 2 December): 834 requests/s and 1.29 ms
-    of API CPU a request on the reader's threads, against 1,142-1,205 and 1.0 ms on the loop.
-    The price: while a statement waits, the process's other requests wait too, so an
-    unresponsive database stalls every route of the process, not only its polls (on the
-    threads those stalled as well, once the executor's threads all waited). Reads that wait on
-    more than the database (``in_thread``: a file's bytes from the blob store) and SQLite's
-    (its writer's lock may hold a read for its busy timeout) run on the reader's executor.
-
-    A plain ``def`` route with ``SessionDep`` crosses the threadpool for the session's entry,
-    the route, the response's validation and the session's exit; its queries run in a
-    transaction (``BEGIN``, ``COMMIT``) on a pre-pinged connection. The executor is asyncio's
-    plain one rather than Starlette's threadpool (AnyIO's, 40 threads): its crossing cost 30 us
-    of CPU against 67 us under 50 concurrent calls.
+    On PostgreSQL a poll's read runs on the event loop: its one or two indexed statements cost
+    less than handing them to a thread and back (``offpeak bench polls``, docs/benchmarks.md).
+    The price: an unresponsive database stalls every route of the process, not only its polls.
+    Reads that wait on more than the database (``in_thread``: the blob store) and SQLite's (its
+    writer's lock) run on the executor, asyncio's plain one: cheaper to cross than Starlette's.
     """
 
     def __init__(self, database_url: str, threads: int = READ_THREADS) -> None:

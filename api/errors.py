@@ -17,7 +17,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
-from api.schemas import ErrorResponse
+from api.schemas.common import ErrorResponse
 from offpeak.endpoints import anthropic_messages
 from offpeak.wire import error_object
 from storage.errors import is_unavailable

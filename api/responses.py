@@ -1,5 +1,5 @@
-"""``WireJSON``: an answer whose body is already JSON-ready values (``api.schemas.batch_json``),
-written by orjson.
+"""``WireJSON``: an answer whose body is already JSON-ready values
+(``api.schemas.batches.batch_json``), written by orjson.
 
 The reads users poll return it instead of a pydantic model: FastAPI would validate the model
 against the route's ``response_model`` again and then serialize it, and for a page of 20

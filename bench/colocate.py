@@ -478,7 +478,7 @@ def summarize(leg: Leg, phases: list[tuple[str, float, float]]) -> list[dict[str
 
 def _wait_idle(base: str, timeout: float = 120) -> None:
     """Until the server runs and queues nothing (the last leg's aborted requests have gone)."""
-    from workers.scheduler.lane import PrometheusServer
+    from workers.scheduler.lane_scraper import PrometheusServer
 
     scraper = PrometheusServer(f"{base}/metrics", 1.0, 2.0, 10.0)
     deadline = time.monotonic() + timeout

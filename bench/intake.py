@@ -4,7 +4,7 @@ batch being ``in_progress`` (every row stored), in MB/s and lines/s, against the
 process takes merely to parse the same file with orjson; and the API process's peak RSS growth
 while it receives the file (sampled every 10 ms).
 
-Targets (issue 6): at least 20 MB/s; RSS growth under 150 MB for a 200 MB file.
+Targets: at least 20 MB/s; RSS growth under 150 MB for a 200 MB file.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The KV-cache block size on a CPU, chosen by measurement (issue 14 part 1): the raw leg of
+"""The KV-cache block size on a CPU, chosen by measurement: the raw leg of
 ``bench e2e`` (``vllm.LLM.chat`` over the e2e requests, a 308-token shared system turn on half
 of them) once per block size, everything else the served model's settings as the engine
 resolves them on this device.

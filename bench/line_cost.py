@@ -3,8 +3,8 @@
 write-back's parameters dumped as psycopg sends them. What ``offpeak bench control`` spends in
 the engine worker's interpreter besides the round trips and the loop's bookkeeping.
 
-For a figure that does not drift with the host (machines of this kind changed speed by ±20%
-from one minute to the next, issue 14), count instructions at two sizes and take the
+For a figure that does not drift with the host (shared cloud machines change speed from one
+minute to the next), count instructions at two sizes and take the
 difference, which leaves the interpreter's start out::
 
     for n in 1000 5000; do
@@ -12,8 +12,7 @@ difference, which leaves the interpreter's start out::
     done
     # instructions a line = (I refs at 5000 - I refs at 1000) / 4000
 
-Measured so (3 December, issue 14): 312,199 instructions a line before the per-line changes of
-186561b, 261,240 after (-16%). Deterministic input (``bench.generator.padded_lines``, seed 0).
+Deterministic input (``bench.generator.padded_lines``, seed 0).
 """
 
 from __future__ import annotations

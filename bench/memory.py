@@ -2,7 +2,7 @@
 which validates and writes the output file) while a batch runs on the instant engine, for a
 small and a ten times larger batch, each on a fresh scratch service after the same warm-up.
 
-Target (issue 6): the peak stays flat, i.e. it does not grow with the batch's size. Flat is
+Target: the peak stays flat, i.e. it does not grow with the batch's size. Flat is
 judged as a growth (peak minus the worker's RSS after warm-up) at the large size no more than
 ``FLAT_SLACK_MB`` above the small size's.
 """

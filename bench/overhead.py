@@ -1,4 +1,4 @@
-"""Benchmark: the runner's overhead at GPU step rates (issue 14, part 3).
+"""Benchmark: the runner's overhead at GPU step rates.
 
 This CPU's engine steps take tens to hundreds of milliseconds, which hides any per-step cost of
 Offpeak's loop; a GPU steps every 10–40 ms. ``SteppedEngine`` is a benchmark engine that

@@ -53,7 +53,7 @@ def draw(results: Path | None, output: Path) -> Path:
     e2e = _load(folder, "e2e")
     if e2e and "sizes" in e2e:
         _draw_e2e(e2e_ax, e2e)
-    elif e2e:  # a result from before issue 14 (one size, one raw leg)
+    elif e2e:  # an older result: one size, one raw leg
         legs = e2e["legs"]
         labels = ["(a) LLM.chat\ngeneration only", "(b) vllm run_batch\nwhole process",
                   "(c) Offpeak\nupload → download"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Benchmark: status polls, the API's main load (issue 14, part 4).
+"""Benchmark: status polls, the API's main load.
 
 A scratch service (API, idle control and engine workers on the instant engine) is given
 ``batches`` finished batches, then ``clients`` concurrent clients (aiohttp, one asyncio loop in

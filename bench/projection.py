@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
-from offpeak.pricing import format_usd
+from offpeak.billing import format_usd
 from workers import planner
 
 #: Llama 3.1 8B's ``config.json`` fields the planner reads (meta-llama/Llama-3.1-8B-Instruct).

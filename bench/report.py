@@ -31,7 +31,7 @@ def markdown(folder: Path | None = None) -> str:
     parts = []
     if (e2e := _load(folder, "e2e")) and "sizes" in e2e:
         parts.append(e2e_markdown(e2e))
-    elif e2e:  # a result from before issue 14 (one size, one raw leg)
+    elif e2e:  # an older result: one size, one raw leg
         legs = e2e["legs"]
         names = {
             "a_raw_engine": "(a) `vllm.LLM.chat`, generation only",
@@ -178,7 +178,7 @@ def _e2e_verdict(n: int, size: dict[str, Any], targets: dict[str, float]) -> str
 
 
 def e2e_markdown(result: dict[str, Any]) -> str:
-    """``bench e2e`` since issue 14: legs × sizes, each leg's ratio to the fastest raw leg and
+    """``bench e2e``: legs × sizes, each leg's ratio to the fastest raw leg and
     to run_batch, its prefix-cache hit rate and, for Offpeak, the engine worker's RSS."""
     rows = []
     for n, size in result["sizes"].items():

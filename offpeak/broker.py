@@ -22,7 +22,7 @@ This transport keeps kombu's folder layout and file names, and changes how files
   renamed into place, so readers need no lock and never see a partial table.
 
 Select it with ``Celery(..., broker="filesystem://")`` and ``broker_transport =
-"offpeak.broker:Transport"`` (see ``offpeak.queues.make_celery``). Linux and macOS (POSIX
+"offpeak.broker:Transport"`` (see ``offpeak.celery_app.make_celery``). Linux and macOS (POSIX
 ``rename``/``flock``) only.
 """
 

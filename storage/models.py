@@ -14,6 +14,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    ColumnElement,
     Float,
     ForeignKey,
     Index,
@@ -23,9 +24,11 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    func,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.ext.hybrid import hybrid_property
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from offpeak.statuses import LineStatus
@@ -150,6 +153,20 @@ class Batch(Base):
     output_expires_after: Mapped[int | None] = mapped_column(Integer)
 
     __table_args__ = (Index("ix_batches_tenant_id", "tenant_id", "id"),)
+
+    @hybrid_property
+    def ended_at(self) -> int | None:
+        """Unix second the batch reached its final status (the stamp of that status), ``None``
+        until then; in a query, the same as SQL ``COALESCE`` of the stamps."""
+        for stamp in (self.completed_at, self.expired_at, self.cancelled_at, self.failed_at):
+            if stamp is not None:
+                return stamp
+        return None
+
+    @ended_at.inplace.expression
+    @classmethod
+    def _ended_at_expression(cls) -> ColumnElement[int | None]:
+        return func.coalesce(cls.completed_at, cls.expired_at, cls.cancelled_at, cls.failed_at)
 
 
 class RequestLine(Base):

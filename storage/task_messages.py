@@ -2,9 +2,9 @@
 finalization and drains through here.
 
 A send first reserves the message's key in ``queued_messages`` (one database round trip for
-many keys), then sends the task by name on the shared Celery app (``offpeak.queues``); the task
+many keys), then sends the task by name on the shared Celery app (``offpeak.celery_app``); the task
 releases the key as it starts (``message_started``), so the next send queues another. Keys and
-waits are ``offpeak.queues``'s.
+waits are ``offpeak.celery_app``'s.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import secrets
 import time
 from collections.abc import Iterable
 
-from offpeak.queues import (
+from offpeak.celery_app import (
     DRAIN_TASK,
     FINALIZE_TASK,
     MAX_WAIT_SECONDS,
@@ -134,6 +134,6 @@ def send_drain(settings: Settings, model: str) -> None:
 
 def send_deliver_webhooks(settings: Settings) -> None:
     """Queue a webhook delivery run (control queue) unless one is already queued: the outbox's
-    due deliveries are sent by it (``workers.webhooks.deliver_due``)."""
+    due deliveries are sent by it (``workers.webhook_delivery.deliver_due``)."""
     messages: dict[str, list[str]] = {WEBHOOKS_KEY: []}
     _send_once(settings, WEBHOOKS_TASK, control_queue(settings), messages)

@@ -12,7 +12,7 @@ from openai import OpenAI
 from openai.types import Batch
 from sqlalchemy import func, select
 
-from api.schemas import CreateBatch
+from api.schemas.batches import CreateBatch
 from api.services import batches as batches_service
 from api.services import files as files_service
 from api.services import keys

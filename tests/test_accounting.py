@@ -15,20 +15,20 @@ from openai.types import Batch, BatchRequestCounts, BatchUsage
 from rich.console import Console
 from sqlalchemy import delete, select
 
+from offpeak.billing import TokenWeights
 from offpeak.cli import client as client_tools
-from offpeak.pricing import TokenWeights
 from offpeak.settings import ModelConfig, ModelPricing, Settings
 from storage.db import session_scope
 from storage.models import EngineChunk, EngineChunkBatch, LedgerEntry
+from storage.repositories import billing as billing_repo
 from storage.repositories import engine_chunks
-from storage.repositories import ledger as ledger_repo
 from storage.repositories.engine_chunks import BatchTokens
 from tests import accounting_helpers as helpers
 from tests.accounting_helpers import AcctTenant as Tenant
 from tests.accounting_helpers import end
 from tests.helpers import validate
 from tests.test_runner import SlowEngine
-from workers import accounting
+from workers import billing
 from workers.engine.instant import InstantEngine
 
 #: MANUAL is never drained: its batches only get the chunks a test records by hand.
@@ -95,7 +95,7 @@ def test_attribution_of_a_shared_chunk_follows_the_rule_and_adds_up(
                 b: BatchTokens(requests=1, prompt_tokens=20, cached_tokens=0, completion_tokens=90),
             },
         )
-        shares = ledger_repo.chunk_shares(session, chunk, weights)
+        shares = billing_repo.chunk_shares(session, chunk, weights)
         idle = engine_chunks.record(
             session,
             worker_id="w",
@@ -106,8 +106,8 @@ def test_attribution_of_a_shared_chunk_follows_the_rule_and_adds_up(
             busy_seconds=0.9,
             per_batch={a: BatchTokens(requests=2), b: BatchTokens(requests=1)},
         )
-        by_requests = ledger_repo.chunk_shares(session, idle, weights)
-        per_batch = ledger_repo.attributed_seconds(session, [a, b], weights)
+        by_requests = billing_repo.chunk_shares(session, idle, weights)
+        per_batch = billing_repo.attributed_seconds(session, [a, b], weights)
     # weight(a) = 0.25 × (100 − 40) + 0 × 40 + 30 = 45; weight(b) = 0.25 × 20 + 90 = 95.
     assert shares[a] == pytest.approx(3.0 * 45 / 140)
     assert shares[b] == pytest.approx(3.0 * 95 / 140)
@@ -134,8 +134,8 @@ def test_attribution_of_real_chunks_adds_up_to_their_seconds(
             )
         )
         chunks = session.scalars(select(EngineChunk).where(EngineChunk.id.in_(chunk_ids))).all()
-        shares = {c.id: ledger_repo.chunk_shares(session, c.id, weights) for c in chunks}
-        per_batch = ledger_repo.attributed_seconds(session, [a, b], weights)
+        shares = {c.id: billing_repo.chunk_shares(session, c.id, weights) for c in chunks}
+        per_batch = billing_repo.attributed_seconds(session, [a, b], weights)
     assert any({a, b} <= set(s) for s in shares.values()), "no chunk held both batches"
     for chunk in chunks:
         total = sum(shares[chunk.id].values())
@@ -159,8 +159,8 @@ def test_ledger_bills_once_under_polls_refinalize_sweeps_and_races(
         polled = tenant.sdk.batches.retrieve(batch_id)
     for _ in range(3):
         end(settings, batch_id)
-    assert accounting.bill_batch(settings, batch_id) is False
-    accounting.bill_unbilled(settings)
+    assert billing.bill_batch(settings, batch_id) is False
+    billing.bill_unbilled(settings)
     [entry] = ledger_rows(settings, batch_id)
     batch = tenant.sdk.batches.retrieve(batch_id)
     assert batch.model_dump() == polled.model_dump()
@@ -182,7 +182,7 @@ def test_ledger_bills_once_under_polls_refinalize_sweeps_and_races(
     with session_scope(settings.resolved_database_url) as session:
         session.execute(delete(LedgerEntry).where(LedgerEntry.batch_id == batch_id))
     with ThreadPoolExecutor(8) as pool:
-        won = list(pool.map(lambda _: accounting.bill_batch(settings, batch_id), range(8)))
+        won = list(pool.map(lambda _: billing.bill_batch(settings, batch_id), range(8)))
     assert won.count(True) == 1
     assert len(ledger_rows(settings, batch_id)) == 1
 
@@ -196,12 +196,12 @@ def test_a_failed_billing_step_is_billed_by_the_sweep(
     def broken(*_args: Any, **_kwargs: Any) -> bool:
         raise RuntimeError("ledger unavailable")
 
-    monkeypatch.setattr(accounting.ledger_repo, "insert_once", broken)
+    monkeypatch.setattr(billing.billing_repo, "insert_once", broken)
     end(settings, batch_id)  # the batch ends all the same
     assert tenant.sdk.batches.retrieve(batch_id).status == "completed"
     assert ledger_rows(settings, batch_id) == []
     monkeypatch.undo()
-    assert accounting.bill_unbilled(settings) >= 1
+    assert billing.bill_unbilled(settings) >= 1
     assert len(ledger_rows(settings, batch_id)) == 1
     assert parts(tenant.sdk.batches.retrieve(batch_id))[0]["billed_at"] is not None
 
@@ -209,7 +209,7 @@ def test_a_failed_billing_step_is_billed_by_the_sweep(
 def test_validation_failures_are_billed_at_zero(settings: Settings, tenant: Tenant) -> None:
     batch, _ = validate(settings, b"not json", tenant_name=tenant.name)
     assert batch.status == "failed"
-    accounting.bill_unbilled(settings)
+    billing.bill_unbilled(settings)
     [entry] = ledger_rows(settings, batch.id)
     assert (entry.requests, entry.gpu_seconds, float(entry.price)) == (0, 0.0, 0.0)
 
@@ -315,7 +315,7 @@ def test_the_cli_summary_shows_cost_and_saving(settings: Settings, tenant: Tenan
 
 
 def test_prices_per_model_and_pool(settings: Settings) -> None:
-    from offpeak import pricing
+    import offpeak.billing
 
     custom = settings.model_copy(
         update={
@@ -323,10 +323,10 @@ def test_prices_per_model_and_pool(settings: Settings) -> None:
             "gpu_cost_per_hour": {"cpu": 0.1, "default": 2.0},
         }
     )
-    assert pricing.gpu_cost_per_hour(custom, MODEL, "H100") == 4.0
-    assert pricing.gpu_cost_per_hour(custom, MODEL, "cpu") == 0.1
-    assert pricing.gpu_cost_per_hour(custom, OTHER, "A100") == 2.0
-    bill = pricing.bill(custom, MODEL, {"H100": 1800.0, "cpu": 36.0}, 1000, 0, 0)
+    assert offpeak.billing.gpu_cost_per_hour(custom, MODEL, "H100") == 4.0
+    assert offpeak.billing.gpu_cost_per_hour(custom, MODEL, "cpu") == 0.1
+    assert offpeak.billing.gpu_cost_per_hour(custom, OTHER, "A100") == 2.0
+    bill = offpeak.billing.bill(custom, MODEL, {"H100": 1800.0, "cpu": 36.0}, 1000, 0, 0)
     assert bill.cost == pytest.approx(2.0 + 0.001)
     assert bill.gpu_seconds == pytest.approx(1836.0)
     assert bill.cost_per_million_tokens == pytest.approx(bill.cost / 1000 * 1e6)
@@ -339,10 +339,10 @@ def test_submit_wait_ends_with_the_bill(
     when the client sees the final status before the bill is written."""
     batch_id = make(settings, tenant, 3)
     run(settings)
-    monkeypatch.setattr(accounting.ledger_repo, "insert_once", lambda *_a, **_k: 1 / 0)
+    monkeypatch.setattr(billing.billing_repo, "insert_once", lambda *_a, **_k: 1 / 0)
     end(settings, batch_id)
     monkeypatch.undo()
-    later = threading.Timer(0.3, accounting.bill_batch, args=(settings, batch_id))
+    later = threading.Timer(0.3, billing.bill_batch, args=(settings, batch_id))
     later.start()
     out = io.StringIO()
     batch = client_tools.wait_with_progress(

@@ -19,7 +19,7 @@ from openai import OpenAI
 from sqlalchemy import func, select
 
 from api.app import create_app
-from offpeak import queues
+from offpeak import celery_app
 from offpeak.settings import Settings
 from storage.blobs import BlobStore, get_blob_store
 from storage.db import get_sessionmaker, session_scope
@@ -282,7 +282,7 @@ def queued(settings: Settings, task: str) -> list[str]:
     """The argument lists (as Celery's ``argsrepr``) of ``task`` messages queued in Redis."""
     client = redis.Redis.from_url(settings.resolved_broker_url)
     found = []
-    for raw in client.lrange(queues.control_queue(settings), 0, -1):
+    for raw in client.lrange(celery_app.control_queue(settings), 0, -1):
         headers = json.loads(raw)["headers"]
         if headers["task"] == task:
             found.append(headers["argsrepr"])
@@ -318,14 +318,14 @@ def test_broker_down_after_commit_still_answers_and_the_sweep_resends(
     from workers import tasks
 
     client = redis.Redis.from_url(own_settings.resolved_broker_url)
-    client.delete(queues.control_queue(own_settings))
+    client.delete(celery_app.control_queue(own_settings))
     monkeypatch.setattr(tasks, "get_settings", lambda: own_settings)
     try:
         tasks.sweep()
-        assert repr([batch.id]) in queued(own_settings, queues.VALIDATE_TASK)
-        assert repr([other.id]) in queued(own_settings, queues.FINALIZE_TASK)
+        assert repr([batch.id]) in queued(own_settings, celery_app.VALIDATE_TASK)
+        assert repr([other.id]) in queued(own_settings, celery_app.FINALIZE_TASK)
     finally:
-        client.delete(queues.control_queue(own_settings))
+        client.delete(celery_app.control_queue(own_settings))
 
 
 # --- Cancel while validation copies the rows in -------------------------------------------------

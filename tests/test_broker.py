@@ -27,7 +27,7 @@ import pytest
 from kombu import Connection, Exchange, Queue
 
 import offpeak.broker
-from offpeak.queues import make_celery
+from offpeak.celery_app import make_celery
 from offpeak.settings import Settings
 
 OURS = "offpeak.broker:Transport"

@@ -23,9 +23,9 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from offpeak import cli
+from offpeak.billing import MONEY_DIGITS, cost_per_million_tokens, format_usd
 from offpeak.cli import client as client_tools
 from offpeak.cli import exit_codes
-from offpeak.pricing import MONEY_DIGITS, cost_per_million_tokens, format_usd
 from offpeak.settings import ModelConfig, ModelPricing, Settings, get_settings
 from storage.blobs import get_blob_store
 from storage.db import session_scope

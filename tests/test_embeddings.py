@@ -26,7 +26,7 @@ from tests.conftest import wait_for_end
 from tests.helpers import files_of
 from workers.engine.base import EngineRequest
 from workers.engine.instant import InstantEngine
-from workers.serving import LineError, prepare
+from workers.engine_io import LineError, prepare
 
 URL: Literal["/v1/embeddings"] = "/v1/embeddings"
 MODEL = DEFAULT_EMBEDDING_MODEL
@@ -337,7 +337,7 @@ def test_the_runner_holds_a_bounded_number_of_unstored_results_while_writes_lag(
     once let lines pile up without limit behind a lagging write, so a 1,000-line drain held
     less than a 10,000-line one (CI, 2 December)."""
     from workers.runner import Runner, loop
-    from workers.runner.writeback import MAX_IN_FLIGHT, ResultWriter
+    from workers.runner.write_back import MAX_IN_FLIGHT, ResultWriter
     from workers.scheduler.store import DbStore
 
     slow_write = DbStore.write_back

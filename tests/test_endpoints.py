@@ -30,15 +30,15 @@ from storage.repositories import batches as batches_repo
 from storage.repositories import requests as requests_repo
 from tests.conftest import new_key
 from tests.helpers import check_ran_batch, line, validate
+from workers import engine_io
 from workers import finalize as finalize_module
-from workers import serving
 from workers.engine.base import Completion, EngineResult, TopLogprob
 from workers.engine.base import TokenLogprob as EngineTokenLogprob
 from workers.engine.instant import InstantEngine
+from workers.engine_io import LineError
 from workers.finalize import _write_files, finalize
 from workers.runner import results
 from workers.runner.held import HeldLine, HeldLines
-from workers.serving import LineError
 
 MODEL = "endpoints-model"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -99,16 +99,16 @@ def test_a_new_endpoint_is_one_class_and_one_registry_entry(
 ) -> None:
     monkeypatch.setitem(endpoints.ENDPOINTS, Echo.url, Echo())
     engine = InstantEngine("m")
-    prepared = serving.prepare("1", Echo.url, {"model": "m", "text": "hello"}, engine)
+    prepared = engine_io.prepare("1", Echo.url, {"model": "m", "text": "hello"}, engine)
     with pytest.raises(LineError) as info:
-        serving.prepare("2", Echo.url, {"model": "m", "text": 5}, engine)
+        engine_io.prepare("2", Echo.url, {"model": "m", "text": 5}, engine)
     assert (info.value.code, info.value.param) == ("invalid_type", "text")
     held = HeldLines()
     held.queue([HeldLine(None, prepared)])  # type: ignore[arg-type]
     assert held.engine_needs() == [(5, 0)]  # sizing asks the endpoint, not max_tokens
     engine.add(prepared.request)
     (result,) = engine.step()
-    stored = records.dump(serving.answer(prepared, result, created=1))
+    stored = records.dump(engine_io.answer(prepared, result, created=1))
     line = orjson.loads(endpoints.openai_line("c1", stored))
     assert line["response"]["body"]["object"] == "echo"
     assert line["response"]["body"]["tokens"] == 5
@@ -116,7 +116,7 @@ def test_a_new_endpoint_is_one_class_and_one_registry_entry(
 
 def test_text_endpoints_need_n_sequences_of_max_tokens() -> None:
     body = {"model": "m", "prompt": [1, 2, 3], "n": 3, "max_tokens": 7}
-    prepared = serving.prepare("1", COMPLETIONS, body, InstantEngine("m"))
+    prepared = engine_io.prepare("1", COMPLETIONS, body, InstantEngine("m"))
     assert prepared.needs == ((3, 7),) * 3
 
 
@@ -276,10 +276,10 @@ def test_a_record_holds_what_another_surface_renders() -> None:
     """What an Anthropic ``message`` needs is in the record, without OpenAI's line."""
     engine = InstantEngine("m")
     body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
-    prepared = serving.prepare("1", CHAT, body, engine)
+    prepared = engine_io.prepare("1", CHAT, body, engine)
     engine.add(prepared.request)
     (result,) = engine.step()
-    record = records.load(records.dump(serving.answer(prepared, result, created=5)))
+    record = records.load(records.dump(engine_io.answer(prepared, result, created=5)))
     assert isinstance(record, Answer)
     (completion,) = record.completions
     assert (completion.text, completion.finish_reason, completion.tokens) == ("O", "length", 1)
@@ -326,13 +326,13 @@ def test_an_answer_record_built_without_the_model_is_the_models_bytes(
     body |= (
         {"messages": [{"role": "user", "content": "hi"}]} if endpoint == CHAT else {"prompt": "hi"}
     )
-    prepared = serving.prepare("1", endpoint, body, InstantEngine("m"))
+    prepared = engine_io.prepare("1", endpoint, body, InstantEngine("m"))
     result = _engine_result(completions, logprobs, text)
     # The same fresh ids for both, in the order each takes them.
     ids = iter(["batch_req_1", "req_1", "resp_1"] * 2)
-    monkeypatch.setattr(serving, "new_ids", lambda *prefixes: [next(ids) for _ in prefixes])
-    fast = serving.answer_record(prepared, result, created=1_700_000_000)
-    assert fast == records.dump(serving.answer(prepared, result, created=1_700_000_000))
+    monkeypatch.setattr(engine_io, "new_ids", lambda *prefixes: [next(ids) for _ in prefixes])
+    fast = engine_io.answer_record(prepared, result, created=1_700_000_000)
+    assert fast == records.dump(engine_io.answer(prepared, result, created=1_700_000_000))
     assert endpoints.openai_line("c1", fast).startswith(b'{"id":"batch_req_1"')
 
 
@@ -430,7 +430,7 @@ def test_finalizing_again_writes_the_same_bytes(
     for row in claimed:
         body = orjson.loads(row.line_json)["body"]
         try:
-            prepared = serving.prepare(str(row.id), CHAT, body, engine)
+            prepared = engine_io.prepare(str(row.id), CHAT, body, engine)
         except LineError as exc:
             finished.append(results.failed(row, exc, at))
             continue

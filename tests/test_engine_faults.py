@@ -201,7 +201,7 @@ def test_engine_errors_on_a_line_are_server_errors(
     settings: Settings, tenant_sdk: tuple[str, OpenAI], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A 5xx line is ``server_error``; a 4xx line stays ``invalid_request_error``."""
-    from workers import serving
+    from workers import engine_io
 
     tenant, sdk = tenant_sdk
     batch_id = make(
@@ -213,7 +213,7 @@ def test_engine_errors_on_a_line_are_server_errors(
             line("hot", model=MODEL, body_temperature=5),
         ],
     )
-    real = serving.prepare
+    real = engine_io.prepare
 
     def buggy(request_id: str, endpoint: str, body: dict, engine: object, *a, **k):  # type: ignore[no-untyped-def]
         if body["messages"][0]["content"] == "Hi" and not buggy.done:  # type: ignore[attr-defined]
@@ -222,7 +222,7 @@ def test_engine_errors_on_a_line_are_server_errors(
         return real(request_id, endpoint, body, engine, *a, **k)  # type: ignore[arg-type]
 
     buggy.done = False  # type: ignore[attr-defined]
-    monkeypatch.setattr(serving, "prepare", buggy)
+    monkeypatch.setattr(engine_io, "prepare", buggy)
     Runner(settings, InstantEngine(MODEL), "w-types").drain()
     finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
     _, errors = check_ran_batch(sdk, sdk.batches.retrieve(batch_id), ["ok", "bug", "hot"])

@@ -32,13 +32,13 @@ import pytest
 from openai import OpenAI
 from sqlalchemy import func, select
 
+from offpeak.billing import TokenWeights
 from offpeak.cli.supervisor import ServiceProcesses
-from offpeak.pricing import TokenWeights
 from offpeak.process_tree import die_with_parent, kill_group
 from offpeak.settings import DEFAULT_MODEL, ModelConfig, Settings, get_settings
 from storage.db import session_scope
 from storage.models import EngineChunk, RequestLine
-from storage.repositories import ledger as ledger_repo
+from storage.repositories import billing as billing_repo
 from storage.repositories.engine_chunks import BatchTokens
 from tests.conftest import fresh_database, new_key, settings_from, wait_for_end
 from tests.helpers import check_billed_once, check_ran_batch, line_statuses
@@ -46,17 +46,12 @@ from tests.inprocess_engine import smollm2_engine
 from tests.services import free_port
 from tests.test_e2e import QUICKSTART, chat_line, submit
 from tests.test_engine_vllm import chat, one, request, run
-from workers.engine.remote import (
-    RemoteEngine,
-    ServerTokenizer,
-    ServerTokens,
-    ServerUnavailable,
-    ServerUsage,
-    local_tokenizer,
-    parse_server_tokens,
-)
+from workers.engine.remote import RemoteEngine, ServerUnavailable
+from workers.engine.remote_meter import ServerUsage
+from workers.engine.remote_tokenizer import ServerTokenizer, local_tokenizer
 from workers.model_store import ensure_model
 from workers.runner.server_share import ServerShare, server_weight, weighted_tokens
+from workers.vllm_metrics import ServerTokens, parse_server_tokens
 
 pytestmark = pytest.mark.engine
 log = logging.getLogger(__name__)
@@ -604,7 +599,7 @@ def test_a_batch_through_a_remote_engine_worker(
     # The sums add up: the batch's attributed seconds are its chunks' shares, and no chunk
     # charges more than the wall seconds of its period.
     with session_scope(remote_settings.resolved_database_url) as session:
-        attributed = ledger_repo.attributed_seconds(session, [batch.id], WEIGHTS)[batch.id]
+        attributed = billing_repo.attributed_seconds(session, [batch.id], WEIGHTS)[batch.id]
         chunks = session.scalars(select(EngineChunk).where(EngineChunk.model == MODEL)).all()
     assert chunks and all(0 <= c.busy_seconds <= c.ended_at - c.started_at + 2 for c in chunks)
     assert sum(attributed.values()) == pytest.approx(sum(c.busy_seconds for c in chunks))

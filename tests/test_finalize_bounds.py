@@ -33,11 +33,11 @@ from sqlalchemy import func, select, update
 
 import migrations
 from api.app import create_app
-from api.schemas import CreateBatch
+from api.schemas.batches import CreateBatch
 from api.services import batches as batches_service
 from api.services import files as files_service
 from api.services import keys
-from offpeak import queues
+from offpeak import celery_app
 from offpeak.settings import ModelConfig, Settings, get_settings
 from storage.blobs import get_blob_store
 from storage.db import session_scope
@@ -113,8 +113,8 @@ class Broker:
 
     def __init__(self, settings: Settings) -> None:
         self.client = redis.Redis.from_url(settings.resolved_broker_url)
-        self.control = queues.control_queue(settings)
-        self.model = queues.model_queue(settings, MODEL)
+        self.control = celery_app.control_queue(settings)
+        self.model = celery_app.model_queue(settings, MODEL)
 
     def messages(self, queue: str) -> list[Message]:
         return [_decode(raw) for raw in self.client.lrange(queue, 0, -1)]
@@ -131,9 +131,9 @@ class Broker:
         (countdowns are not waited for); messages the tasks send meanwhile stay queued."""
         ran = 0
         by_name: dict[str, Callable[..., None]] = {
-            queues.VALIDATE_TASK: tasks.validate_batch,
-            queues.DRAIN_TASK: tasks.drain_model,
-            queues.FINALIZE_TASK: tasks.finalize_batch,
+            celery_app.VALIDATE_TASK: tasks.validate_batch,
+            celery_app.DRAIN_TASK: tasks.drain_model,
+            celery_app.FINALIZE_TASK: tasks.finalize_batch,
         }
         for _ in range(self.client.llen(queue)):
             raw = self.client.rpop(queue)
@@ -183,35 +183,35 @@ def test_a_burst_of_validated_batches_queues_one_drain(
     # Counting, not loss: no queued message may count as lost while the test runs (on a loaded
     # machine 200 finalizes outlasted the 60 s first wait, and the last send re-sent the sweep's
     # drain as lost). Re-sending lost messages is tested below.
-    monkeypatch.setattr(queues, "FIRST_WAIT_SWEEPS", 10_000)
+    monkeypatch.setattr(celery_app, "FIRST_WAIT_SWEEPS", 10_000)
     broker = Broker(settings)
     _, batch_ids = _create_batches(settings, line("r0", model=MODEL), 200)
     for batch_id in batch_ids:
         tasks.validate_batch(batch_id)
     # One drain runs every batch validated before it starts: 200 messages were 199 too many.
-    assert broker.count(broker.model, queues.DRAIN_TASK) == 1
+    assert broker.count(broker.model, celery_app.DRAIN_TASK) == 1
     for _ in range(3):
         tasks.sweep()
-    assert broker.count(broker.model, queues.DRAIN_TASK) == 1
+    assert broker.count(broker.model, celery_app.DRAIN_TASK) == 1
 
     assert broker.run(broker.model, tasks) == 1  # the drain runs all 200 lines
     # Starting while they waited, it queued one more for a second engine worker to join
     # (``drain_model``'s baton); run after it, that one finds none pending and queues nothing.
-    assert broker.count(broker.model, queues.DRAIN_TASK) == 1
+    assert broker.count(broker.model, celery_app.DRAIN_TASK) == 1
     assert broker.run(broker.model, tasks) == 1
-    assert broker.count(broker.model, queues.DRAIN_TASK) == 0
+    assert broker.count(broker.model, celery_app.DRAIN_TASK) == 0
     # The drain sends one finalize per batch it touched; a sweep finds the same batches done
     # but not finalized (``finished_but_running``) and adds none while those are queued.
     tasks.sweep()
-    assert broker.count(broker.control, queues.FINALIZE_TASK) == 200
+    assert broker.count(broker.control, celery_app.FINALIZE_TASK) == 200
     broker.run(broker.control, tasks)
     assert {_status(settings, b) for b in batch_ids} == {"completed"}
-    assert broker.count(broker.control, queues.FINALIZE_TASK) == 0
+    assert broker.count(broker.control, celery_app.FINALIZE_TASK) == 0
 
     # The drain cleared its record as it started: the next batch queues the next drain.
     _, (late,) = _create_batches(settings, line("r0", model=MODEL), 1)
     tasks.validate_batch(late)
-    assert broker.count(broker.model, queues.DRAIN_TASK) == 1
+    assert broker.count(broker.model, celery_app.DRAIN_TASK) == 1
 
 
 def _held_cancelling_batch(settings: Settings) -> tuple[str, list[int]]:
@@ -244,15 +244,15 @@ def test_a_cancelling_batch_keeps_one_finalize_chain(settings: Settings, tasks: 
     batch_id, held = _held_cancelling_batch(settings)
     for _ in range(5):
         tasks.sweep()  # each sweep used to start another chain of once-a-second finalizes
-        assert broker.count(broker.control, queues.FINALIZE_TASK) == 1
-        assert broker.run(broker.control, tasks, only=queues.FINALIZE_TASK) == 1
+        assert broker.count(broker.control, celery_app.FINALIZE_TASK) == 1
+        assert broker.run(broker.control, tasks, only=celery_app.FINALIZE_TASK) == 1
         assert _status(settings, batch_id) == "cancelling"  # its held lines keep it waiting
-        assert broker.count(broker.control, queues.FINALIZE_TASK) == 1  # the chain's next look
-        assert broker.count(broker.model, queues.DRAIN_TASK) <= 1
+        assert broker.count(broker.control, celery_app.FINALIZE_TASK) == 1  # the chain's next look
+        assert broker.count(broker.model, celery_app.DRAIN_TASK) <= 1
     _hand_back(settings, held)
-    broker.run(broker.control, tasks, only=queues.FINALIZE_TASK)
+    broker.run(broker.control, tasks, only=celery_app.FINALIZE_TASK)
     assert _status(settings, batch_id) == "cancelled"
-    assert broker.count(broker.control, queues.FINALIZE_TASK) == 0  # the chain ended with it
+    assert broker.count(broker.control, celery_app.FINALIZE_TASK) == 0  # the chain ended with it
 
 
 def test_a_lost_finalize_is_sent_again_once_its_record_is_stale(
@@ -262,8 +262,8 @@ def test_a_lost_finalize_is_sent_again_once_its_record_is_stale(
     batch_id, held = _held_cancelling_batch(settings)
     broker.lose(broker.control)  # the broker restarted: the cancel's finalize is gone
     tasks.sweep()
-    assert broker.count(broker.control, queues.FINALIZE_TASK) == 0  # it may still be on its way
-    key = queues.finalize_key(batch_id)
+    assert broker.count(broker.control, celery_app.FINALIZE_TASK) == 0  # it may still be on its way
+    key = celery_app.finalize_key(batch_id)
     with session_scope(settings.resolved_database_url) as session:
         record = session.get(QueuedMessage, key)
         assert record is not None
@@ -273,12 +273,12 @@ def test_a_lost_finalize_is_sent_again_once_its_record_is_stale(
             update(QueuedMessage).where(QueuedMessage.key == key).values(resend_at=time.time())
         )
     tasks.sweep()
-    assert broker.count(broker.control, queues.FINALIZE_TASK) == 1
+    assert broker.count(broker.control, celery_app.FINALIZE_TASK) == 1
     with session_scope(settings.resolved_database_url) as session:
         record = session.get(QueuedMessage, key)
         assert record is not None and record.wait_seconds == 2 * first_wait  # re-sent more rarely
     _hand_back(settings, held)
-    broker.run(broker.control, tasks, only=queues.FINALIZE_TASK)
+    broker.run(broker.control, tasks, only=celery_app.FINALIZE_TASK)
     assert _status(settings, batch_id) == "cancelled"
 
 
@@ -290,16 +290,16 @@ def test_a_lost_drain_is_sent_again_once_its_record_is_stale(
     tasks.validate_batch(batch_id)
     broker.lose(broker.model)
     tasks.sweep()
-    assert broker.count(broker.model, queues.DRAIN_TASK) == 0
+    assert broker.count(broker.model, celery_app.DRAIN_TASK) == 0
     with session_scope(settings.resolved_database_url) as session:
         session.execute(
             update(QueuedMessage)
-            .where(QueuedMessage.key == queues.drain_key(MODEL))
+            .where(QueuedMessage.key == celery_app.drain_key(MODEL))
             .values(resend_at=time.time())
         )
     tasks.sweep()
     assert broker.run(broker.model, tasks) == 1
-    broker.run(broker.control, tasks, only=queues.FINALIZE_TASK)
+    broker.run(broker.control, tasks, only=celery_app.FINALIZE_TASK)
     assert _status(settings, batch_id) == "completed"
 
 

@@ -21,13 +21,8 @@ from workers.engine.base import EngineRequest, EngineResult
 from workers.engine.instant import InstantEngine
 from workers.planner import StepModel
 from workers.runner import Runner
-from workers.scheduler.lane import (
-    Histogram,
-    LaneController,
-    ServerSnapshot,
-    parse_snapshot,
-    victims,
-)
+from workers.scheduler.lane import LaneController, victims
+from workers.vllm_metrics import Histogram, ServerSnapshot, parse_snapshot
 
 BOUNDS = (0.01, 0.02, 0.04, 0.08, math.inf)
 

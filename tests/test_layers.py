@@ -54,7 +54,7 @@ def tree_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("storage", "storage.repositories", "api.schemas"),
         ("storage", "storage", "workers.tasks"),
         ("storage", "storage", "offpeak.cli"),
-        ("api", "api.services", "workers.celery_app"),
+        ("api", "api.services", "workers.celery_worker"),
         ("api", "api", "vllm"),
         ("api", "api", "torch"),
         ("workers", "workers", "api.schemas"),

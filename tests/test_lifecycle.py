@@ -41,7 +41,7 @@ from tests.conftest import (
     wait_for_end,
 )
 from tests.helpers import check_ran_batch, line_statuses
-from workers.celery_app import EXIT_FORCED
+from workers.celery_worker import EXIT_FORCED
 
 MODEL = "SmolLM2-135M-Instruct"
 INSTANT = '{"SmolLM2-135M-Instruct": {"engine": "instant"}}'

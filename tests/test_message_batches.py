@@ -18,7 +18,7 @@ from anthropic.types.messages import MessageBatchIndividualResponse
 from fastapi.testclient import TestClient
 from openai import OpenAI
 
-from api.schemas_message_batches import rfc3339
+from api.schemas.message_batches import rfc3339
 from offpeak.endpoints import anthropic_messages, records
 from offpeak.endpoints.errors import LineError
 from offpeak.endpoints.records import Answer, CompletionRecord, Failure
@@ -29,8 +29,8 @@ from storage.models import LedgerEntry, RequestLine
 from storage.repositories import batches as batches_repo
 from storage.repositories import requests as requests_repo
 from tests.conftest import new_key
-from workers import serving
-from workers.accounting import bill_batch
+from workers import engine_io
+from workers.billing import bill_batch
 from workers.engine.instant import InstantEngine
 from workers.finalize import finalize
 from workers.runner import results
@@ -366,7 +366,7 @@ def _run_instant(settings: Settings, batch_id: str, model: str, limit: int) -> N
     for row in claimed:
         line = orjson.loads(row.line_json)
         try:
-            prepared = serving.prepare(str(row.id), line["url"], line["body"], engine)
+            prepared = engine_io.prepare(str(row.id), line["url"], line["body"], engine)
         except LineError as exc:
             finished.append(results.failed(row, exc, at))
             continue

@@ -25,9 +25,9 @@ from storage.repositories.requests import ClaimedRequest
 from tests.helpers import line, validate
 from workers.engine.base import EngineRequest, EngineResult, RequestRefused
 from workers.engine.instant import InstantEngine
+from workers.engine_io import LineError, Prepared, answer, prepare
 from workers.runner.admission import prepare_chunk
 from workers.runner.held import HeldLine, HeldLines
-from workers.serving import LineError, Prepared, answer, prepare
 
 RESPONSES, CHAT = "/v1/responses", "/v1/chat/completions"
 ENGINE = InstantEngine("m", max_model_len=512)

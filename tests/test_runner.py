@@ -23,7 +23,7 @@ from workers.engine.base import EngineResult
 from workers.engine.instant import InstantEngine
 from workers.finalize import finalize
 from workers.runner import Runner
-from workers.runner.collector import YOUNG_THRESHOLD, tune_collector
+from workers.runner.gc_tuning import YOUNG_THRESHOLD, tune_collector
 
 MODEL = "runner-model"
 
@@ -497,11 +497,11 @@ def test_sweep_finds_batches_whose_finalize_was_lost(
 def test_a_line_that_breaks_preparation_fails_alone(
     settings: Settings, tenant_sdk: tuple[str, OpenAI], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from workers import serving
+    from workers import engine_io
 
     tenant, sdk = tenant_sdk
     batch_id = make(settings, tenant, [line(f"r{i}", model=MODEL) for i in range(5)])
-    real, calls = serving.prepare, []
+    real, calls = engine_io.prepare, []
 
     def flaky(request_id: str, endpoint: str, body: dict, engine: object, *a, **k):  # type: ignore[no-untyped-def]
         calls.append(request_id)
@@ -509,7 +509,7 @@ def test_a_line_that_breaks_preparation_fails_alone(
             raise RuntimeError("a bug in preparation")
         return real(request_id, endpoint, body, engine, *a, **k)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(serving, "prepare", flaky)
+    monkeypatch.setattr(engine_io, "prepare", flaky)
     runner(settings, InstantEngine(MODEL)).drain()
     finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
     batch = sdk.batches.retrieve(batch_id)

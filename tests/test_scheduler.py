@@ -20,7 +20,7 @@ from openai import OpenAI
 from sqlalchemy import func, select, update
 
 from api.app import create_app
-from api.schemas import CreateBatch
+from api.schemas.batches import CreateBatch
 from api.services import batches as batches_service
 from api.services import files as files_service
 from api.services import keys

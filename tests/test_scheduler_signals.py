@@ -29,10 +29,10 @@ from workers.scheduler.signals import (
     ScheduleSignal,
     SignalError,
     build_signals,
-    parse_metrics,
     parse_window,
 )
 from workers.scheduler.store import DbStore
+from workers.vllm_metrics import parse_metrics
 
 WEIGHTS = SchedulerSettings().prometheus.weights
 

@@ -8,7 +8,8 @@ the readings' times are the server's and the machine's.
 
 from __future__ import annotations
 
-from workers.engine.remote import ServerMeter, ServerTokens, ServerUsage
+from workers.engine.remote_meter import ServerMeter, ServerUsage
+from workers.vllm_metrics import ServerTokens
 
 
 class Clock:

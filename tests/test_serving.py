@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from workers.engine.instant import InstantEngine
-from workers.serving import LineError, prepare
+from workers.engine_io import LineError, prepare
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ENGINE = InstantEngine("m", max_model_len=512)

@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 from sqlalchemy import func, select, update
 
-from offpeak import webhooks
+from offpeak import webhook_protocol
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import ModelConfig, Settings
 from storage import task_messages
@@ -27,12 +27,12 @@ from storage.repositories import webhooks as webhooks_repo
 from tests.accounting_helpers import AcctTenant, end, make, run
 from tests.conftest import free_port, wait_for_end
 from tests.helpers import line, validate
-from workers import webhooks as worker_webhooks
+from workers import webhook_delivery
 from workers.finalize import finalize
 
 MODEL = "webhook-model"
 SMOL = "SmolLM2-135M-Instruct"
-ALL = list(webhooks.EVENT_TYPES)
+ALL = list(webhook_protocol.EVENT_TYPES)
 
 
 class Receiver:
@@ -100,7 +100,7 @@ def _deliver_until(settings: Settings, done, timeout: float = 30) -> None:  # ty
     deadline = time.monotonic() + timeout
     while not done():
         assert time.monotonic() < deadline, "deliveries did not finish"
-        worker_webhooks.deliver_due(settings)
+        webhook_delivery.deliver_due(settings)
         time.sleep(0.02)
 
 
@@ -149,7 +149,7 @@ def test_every_batch_event_arrives_signed_and_verifies_with_the_sdk(
         assert session.get(QueuedMessage, "webhooks") is not None
 
     _deliver_until(settings, lambda: len(receiver.requests) >= 4)
-    worker_webhooks.deliver_due(settings)
+    webhook_delivery.deliver_due(settings)
     assert len(receiver.requests) == 4  # each event once
     seen = {}
     for headers, body, _status in receiver.requests:
@@ -306,7 +306,7 @@ def test_an_endpoint_subscribed_to_other_events_gets_nothing(
     batch_id = make(settings, tenant, 1, MODEL, prefix="n")
     run(settings, MODEL)
     end(settings, batch_id)
-    worker_webhooks.deliver_due(settings)
+    webhook_delivery.deliver_due(settings)
     assert receiver.requests == [] and _events_of(settings, batch_id) == 0
 
 
@@ -336,18 +336,18 @@ def test_private_and_loopback_targets_are_refused_unless_allowed(settings: Setti
         return lambda _host, _port: addresses
 
     public = resolver(["93.184.215.14", "2606:2800:21f:cb07:6820:80da:af6b:8b2c"])
-    webhooks.check_target(
+    webhook_protocol.check_target(
         "https://example.com/", allow_http=False, allow_private=False, resolve=public
     )
     for private in ("10.1.2.3", "169.254.169.254", "fd00::1", "::1", "100.64.0.1", "0.0.0.0"):
-        with pytest.raises(webhooks.TargetRefused):
-            webhooks.check_target(
+        with pytest.raises(webhook_protocol.TargetRefused):
+            webhook_protocol.check_target(
                 "https://rebinds.example/",
                 allow_http=False,
                 allow_private=False,
                 resolve=resolver(["93.184.215.14", private]),  # one bad address is enough
             )
-    webhooks.check_target(
+    webhook_protocol.check_target(
         "http://127.0.0.1:1/", allow_http=True, allow_private=True, resolve=resolver(["127.0.0.1"])
     )
 
@@ -361,7 +361,7 @@ def test_a_delivery_to_a_target_that_became_private_fails_and_is_logged(
     run(settings, MODEL)
     end(settings, batch_id)
     strict = settings.model_copy(update={"webhook_allow_private_targets": False})
-    worker_webhooks.deliver_due(strict)
+    webhook_delivery.deliver_due(strict)
     assert receiver.requests == []
     log = tenant.http.get(
         f"/v1/webhook_endpoints/{endpoint.id}/deliveries", headers=tenant.headers
@@ -474,7 +474,7 @@ def test_one_final_status_makes_one_outbox_event(settings: Settings, tenant: Acc
         with session_scope(settings.resolved_database_url) as session:
             batch = session.get(Batch, batch_id)
             assert batch is not None
-            worker_webhooks.record_final(session, settings, batch)
+            webhook_delivery.record_final(session, settings, batch)
     assert _events_of(settings, batch_id) == 1
     with session_scope(settings.resolved_database_url) as session:
         deliveries = session.scalar(
@@ -503,5 +503,5 @@ def test_a_message_batch_ending_sends_no_openai_event(
     assert before == 1  # an OpenAI batch's end made its event
     batch.id, batch.endpoint = f"{batch_id}-as-message-batch", "/v1/messages"
     with session_scope(settings.resolved_database_url) as session:
-        worker_webhooks.record_final(session, settings, batch)
+        webhook_delivery.record_final(session, settings, batch)
     assert _events_of(settings, batch.id) == 0

@@ -1,8 +1,8 @@
-"""The reads users poll answer from plain dicts (``api.schemas.batch_json`` / ``file_json``,
-written by orjson: ``api.responses.WireJSON``) and from rows rather than ORM objects: their
-bytes must be what the pydantic models (``BatchObject``, ``FileObject``, which the routes
-declare and create and cancel still answer with) serialize to, field for field, type for type
-(a float where the model has a float), in the model's order."""
+"""The reads users poll answer from plain dicts (``api.schemas.batches.batch_json``,
+``api.schemas.files.file_json``, written by orjson: ``api.responses.WireJSON``) and from rows
+rather than ORM objects: their bytes must be what the pydantic models (``BatchObject``,
+``FileObject``, which the routes declare and create and cancel still answer with) serialize to,
+field for field, type for type (a float where the model has a float), in the model's order."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import pytest
 from fastapi.testclient import TestClient
 from openai import OpenAI
 
-from api.schemas import BatchObject, FileObject, batch_json, column_values, file_json
+from api.schemas.batches import BatchObject, batch_json
+from api.schemas.common import column_values
+from api.schemas.files import FileObject, file_json
 from api.services import files as files_service
-from offpeak.pricing import Bill
+from offpeak.billing import Bill
 from offpeak.settings import Settings
 from storage.blobs import CHUNK_BYTES, get_blob_store
 from storage.db import read, session_scope
@@ -112,7 +114,7 @@ BATCHES = [_batch(**changes) for changes in CHANGES]
 
 BILLS = [
     None,
-    # A live estimate with no engine time yet: whole-number amounts (pricing.bill's sums).
+    # A live estimate with no engine time yet: whole-number amounts (billing.bill's sums).
     Bill(gpu_seconds=0, cost=0, price=0, realtime_price=0, tokens=0),
     Bill(
         gpu_seconds=3.1234567,

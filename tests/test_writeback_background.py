@@ -1,4 +1,4 @@
-"""The runner's background write-back (``workers.runner.writeback``, issue 14 part 3).
+"""The runner's background write-back (``workers.runner.write_back``).
 
 The store is a recording fake (the test is about the writer's threading and bookkeeping, not
 the database: the database path runs in tests/test_scheduler.py and ``bench overhead``). It
@@ -17,11 +17,11 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from offpeak.endpoints import records
 from offpeak.settings import Settings
 from storage.repositories.requests import ClaimedRequest, FinishedLine, TokenCounts
-from workers import serving
+from workers import engine_io
 from workers.engine.base import Completion, EngineResult
 from workers.engine.instant import InstantEngine
 from workers.runner import results
-from workers.runner.writeback import RENEW_FRACTION, ResultWriter
+from workers.runner.write_back import RENEW_FRACTION, ResultWriter
 from workers.scheduler.store import WriteBack, WriteBackReport
 
 
@@ -200,7 +200,7 @@ def test_answered_lines_get_their_records_built_by_the_background_write() -> Non
     engine = InstantEngine("m")
     row = ClaimedRequest(4, "batch_x", "r4", "{}", 1)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
-    prepared = serving.prepare("4", "/v1/chat/completions", body, engine)
+    prepared = engine_io.prepare("4", "/v1/chat/completions", body, engine)
     result = EngineResult(
         "4", 9, 2, [Completion("ab", [1, 2], "stop"), Completion("c", [3], "stop")]
     )

@@ -116,11 +116,10 @@ def fit_step_model(points: Sequence[CalibrationPoint]) -> StepModel:
     """Least-squares line through ``(batch, step_ms)``: intercept ``base_ms``, slope ``per_seq_ms``,
     the slope held at 0 or above.
 
-    A decode step never gets cheaper with more sequences in it, but on a CPU whose steps are
-    flat over the sizes measured (about 68 ms at 1, 8 and 16 sequences here) timing noise can
-    tilt the free fit downwards (−0.44 ms a sequence), and a negative slope would tell the
-    planner that larger batches step faster. The best line with a slope of at least 0 is then
-    the flat one through the mean (the constrained least-squares optimum lies on the boundary).
+    A decode step never gets cheaper with more sequences in it, but on a CPU whose steps are flat
+    over the sizes measured timing noise can tilt the free fit downwards, and a negative slope would
+    tell the planner that larger batches step faster. The best line with a slope of at least 0 is
+    then the flat one through the mean (the constrained least-squares optimum lies on the boundary).
 
     Raises ``ValueError`` with fewer than two distinct batch sizes.
     """

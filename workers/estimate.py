@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from offpeak import endpoints, pricing
+from offpeak import billing, endpoints
 from offpeak.endpoints.base import Tokenizer
 from offpeak.endpoints.errors import LineError
 from offpeak.settings import ModelConfig, Settings
@@ -83,10 +83,10 @@ _loading = threading.Lock()
 
 
 def tokenizer_for(settings: Settings, model: str) -> Tokenizer:
-    """The served model's own tokenizer, loaded once per process and configuration (~13 s the
-    first time on this 2-core CPU, nearly all of it importing ``transformers``; 0.4 ms a chat
-    line after). Raises ``KeyError`` for a model that is not configured and whatever loading
-    its folder raises (``workers.model_store.ModelUnavailableError``)."""
+    """The served model's own tokenizer, loaded once per process and configuration (seconds
+    the first time, nearly all of it importing ``transformers``). Raises ``KeyError`` for a
+    model that is not configured and whatever loading its folder raises
+    (``workers.model_store.ModelUnavailableError``)."""
     config = settings.models[model]
     with _loading:
         return _load(model, config.model_dump_json(), str(settings.model_cache_dir))
@@ -142,14 +142,14 @@ class Estimate:
     def as_json(self, settings: Settings) -> dict[str, Any]:
         """``{prompt_tokens, max_completion_tokens, price_low, price_high, requests,
         invalid_requests}``; prices in US dollars at the batch price (real-time list price ×
-        (1 − batch discount), ``offpeak.pricing``), before any prefix-cache discount."""
-        discount = 1 - pricing.batch_discount(settings, self.model)
+        (1 − batch discount), ``offpeak.billing``), before any prefix-cache discount."""
+        discount = 1 - billing.batch_discount(settings, self.model)
 
         def price(output_tokens: int) -> float:
-            listed = pricing.realtime_price(
+            listed = billing.realtime_price(
                 settings, self.model, self.prompt_tokens, 0, output_tokens
             )
-            return round(listed * discount, pricing.MONEY_DIGITS)
+            return round(listed * discount, billing.MONEY_DIGITS)
 
         return {
             "prompt_tokens": self.prompt_tokens,
@@ -213,9 +213,8 @@ def estimate_batch(settings: Settings, batch_id: str) -> dict[str, Any] | None:
     made here (``BatchEstimator``: the tokenizer will not load). Never raises for a line.
 
     It runs after the batch starts, not inside validation: counting is the model's tokenizer on
-    every line (≈ 0.4 ms a chat line on SmolLM2's, so 20 s for 50,000 lines; 23 µs even on the
-    instant engine's, half of validation's time in ``offpeak bench control``), and a batch's
-    lines need not wait for advice to start running. The lines are read in one transaction,
+    every line (tens of seconds for 50,000 chat lines on SmolLM2's, docs/api.md "Estimate"), and a
+    batch's lines need not wait for advice to start running. The lines are read in one transaction,
     and the estimate stored in a second, short one that holds the batch row only for its
     ``UPDATE``."""
     url = settings.resolved_database_url

@@ -23,7 +23,7 @@ from storage.models import Batch, File
 from storage.repositories import batches as batches_repo
 from storage.repositories import files as files_repo
 from storage.repositories import requests as requests_repo
-from workers import accounting, webhooks
+from workers import billing, webhook_delivery
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,8 @@ def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
 
 
 class _Lines:
-    """JSONL lines written to ``handle`` in pieces of ``PIECE_LINES`` (one write call each:
-    a write per line through the blob store's file object cost ~8 µs a line, issue 14);
+    """JSONL lines written to ``handle`` in pieces of ``PIECE_LINES`` (one write call each: a
+    write per line through the blob store's file object costs more than the line);
     ``bytes``: what was added, newlines included."""
 
     PIECE_LINES = 1024
@@ -244,7 +244,7 @@ def _advance(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
         batch.status = target
         setattr(batch, final[target], stamp)
         # The outbox row commits with the status, never an HTTP call under this lock.
-        webhooks.record_final(session, settings, batch)
+        webhook_delivery.record_final(session, settings, batch)
         log.info(
             "batch %s %s: %d completed, %d failed", batch_id, target, batch.completed, batch.failed
         )
@@ -252,7 +252,7 @@ def _advance(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
 
 
 def finalize(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
-    """``_advance``, then, once the batch has ended, its bill (``workers.accounting``).
+    """``_advance``, then, once the batch has ended, its bill (``workers.billing``).
 
     Billing runs in its own transaction after the final status has committed: if it fails, the
     batch stays ended and unbilled, and the sweep bills it later. Billed at most once, however
@@ -260,5 +260,5 @@ def finalize(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
     """
     step = _advance(settings, blobs, batch_id)
     if step.done:
-        accounting.bill_safely(settings, batch_id)
+        billing.bill_safely(settings, batch_id)
     return step

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 from celery.signals import worker_ready, worker_shutdown
 
-from offpeak import queues
+from offpeak import celery_app
 from offpeak.settings import Settings, get_settings
 from storage.db import session_scope
 from storage.repositories import workers as workers_repo
@@ -40,8 +40,8 @@ def role_of(settings: Settings, consumed: Iterable[str]) -> tuple[str, list[str]
     the control queue, ``engine`` with the configured models whose queues it consumes, or
     ``control,engine`` for both. Raises ``ValueError`` when it consumes none of Offpeak's."""
     names = set(consumed)
-    models = [m for m in settings.models if queues.model_queue(settings, m) in names]
-    control = queues.control_queue(settings) in names
+    models = [m for m in settings.models if celery_app.model_queue(settings, m) in names]
+    control = celery_app.control_queue(settings) in names
     if control and models:
         return "control,engine", models
     if control:

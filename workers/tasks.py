@@ -7,7 +7,7 @@ import logging
 import os
 import time
 
-from offpeak import queues
+from offpeak import celery_app
 from offpeak.ids import worker_id
 from offpeak.settings import Settings, get_settings
 from offpeak.statuses import BatchStatus
@@ -17,9 +17,9 @@ from storage.db import session_scope
 from storage.repositories import batches as batches_repo
 from storage.repositories import queued_messages
 from storage.repositories import requests as requests_repo
-from workers import accounting, retention, webhooks
+from workers import billing, retention, webhook_delivery
 from workers import worker_metrics as metrics
-from workers.celery_app import app
+from workers.celery_worker import app
 from workers.engine import registry, release
 from workers.engine.base import Engine, EngineFault
 from workers.estimate import estimate_batch
@@ -31,13 +31,13 @@ from workers.validation import run_validation
 log = logging.getLogger(__name__)
 
 
-@app.task(name=queues.VALIDATE_TASK)
+@app.task(name=celery_app.VALIDATE_TASK)
 def validate_batch(batch_id: str, mark: str | None = None) -> None:
     """Validate the batch; once it is in progress, send its model's drain, then count its cost
     estimate beside the run (``workers.estimate.estimate_batch``: its lines need not wait for
     it). A redelivered message (the worker died in between) counts an estimate still missing."""
     settings = get_settings()
-    task_messages.message_started(settings, queues.validate_key(batch_id), mark)
+    task_messages.message_started(settings, celery_app.validate_key(batch_id), mark)
     model = run_validation(settings, get_blob_store(settings.resolved_blob_url), batch_id)
     if model is not None:
         task_messages.send_drain(settings, model)
@@ -145,7 +145,7 @@ def _exit_broken() -> None:
     os._exit(EXIT_ENGINE_BROKEN)
 
 
-@app.task(name=queues.DRAIN_TASK)
+@app.task(name=celery_app.DRAIN_TASK)
 def drain_model(model: str, mark: str | None = None) -> None:
     """Run ``model``'s batch work under the scheduler until nothing admissible is left: every
     runnable line ran, or the load (or a pause) holds the rest back; the sweep sends another
@@ -153,7 +153,7 @@ def drain_model(model: str, mark: str | None = None) -> None:
     rebuilt (``recover_engine``): its lines go back to pending, never to failed."""
     settings = get_settings()
     # The next send queues one.
-    task_messages.message_started(settings, queues.drain_key(model), mark)
+    task_messages.message_started(settings, celery_app.drain_key(model), mark)
     # Pass the baton: while lines wait, one drain stays queued, so every idle engine worker of
     # the model joins in turn (a busy one takes no second message: prefetch 1, solo pool).
     with session_scope(settings.resolved_database_url) as session:
@@ -174,26 +174,26 @@ def drain_model(model: str, mark: str | None = None) -> None:
         release.release_if_held_back(runner.engine, runner.gate, settings, time.time())
 
 
-@app.task(name=queues.FINALIZE_TASK)
+@app.task(name=celery_app.FINALIZE_TASK)
 def finalize_batch(batch_id: str, mark: str | None = None) -> None:
     """Finalize the batch; while it waits for its lines, queue the next look (one chain per
     batch: ``send_finalize`` skips it when another finalize of the batch is queued sooner)."""
     settings = get_settings()
-    task_messages.message_started(settings, queues.finalize_key(batch_id), mark)
+    task_messages.message_started(settings, celery_app.finalize_key(batch_id), mark)
     step = finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
     if step.retry_in is not None:
         task_messages.send_finalize(settings, batch_id, countdown=step.retry_in)
 
 
-@app.task(name=queues.WEBHOOKS_TASK)
+@app.task(name=celery_app.WEBHOOKS_TASK)
 def deliver_webhooks(mark: str | None = None) -> None:
-    """Send every webhook delivery that is due (``workers.webhooks.deliver_due``)."""
+    """Send every webhook delivery that is due (``workers.webhook_delivery.deliver_due``)."""
     settings = get_settings()
-    task_messages.message_started(settings, queues.WEBHOOKS_KEY, mark)
-    webhooks.deliver_due(settings)
+    task_messages.message_started(settings, celery_app.WEBHOOKS_KEY, mark)
+    webhook_delivery.deliver_due(settings)
 
 
-@app.task(name=queues.SWEEP_TASK)
+@app.task(name=celery_app.SWEEP_TASK)
 def sweep() -> None:
     """Periodic repair (run by the control worker's beat): expire batches past their window,
     and re-send work whose message may have been lost (broker restart, killed worker)."""
@@ -206,7 +206,7 @@ def sweep() -> None:
         finalizing += batches_repo.finished_but_running(session)
         validating = batches_repo.ids_in_status(session, BatchStatus.VALIDATING)
         models = batches_repo.active_models(session)
-        queued_messages.purge(session, before=at - 4 * queues.MAX_WAIT_SECONDS)
+        queued_messages.purge(session, before=at - 4 * celery_app.MAX_WAIT_SECONDS)
     # Each is skipped while a message for it is queued, and re-sent once that one is lost.
     task_messages.send_finalizes(settings, sorted({*expired, *cancelling, *finalizing}))
     task_messages.send_validates(settings, validating)
@@ -216,8 +216,8 @@ def sweep() -> None:
     # Estimates move on while no engine worker runs the model (load high, workers down).
     # Every configured model: one with nothing left gets its replicas needed back to 0.
     sweep_estimates(settings, list(settings.models), time.time())
-    accounting.bill_unbilled(settings)  # ended batches whose billing step failed or never ran
-    if webhooks.any_due(settings):  # retries coming due, and any run whose message was lost
+    billing.bill_unbilled(settings)  # ended batches whose billing step failed or never ran
+    if webhook_delivery.any_due(settings):  # retries coming due, and any run whose message was lost
         task_messages.send_deliver_webhooks(settings)
     retention.sweep_if_due(settings)
     metrics.sample_load(settings)

@@ -27,7 +27,7 @@ from storage.models import Batch
 from storage.repositories import batches as batches_repo
 from storage.repositories import files as files_repo
 from storage.repositories import requests as requests_repo
-from workers import webhooks
+from workers import webhook_delivery
 
 log = logging.getLogger(__name__)
 
@@ -326,6 +326,7 @@ def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str |
             return None  # cancelled meanwhile: finalize ends it as ``cancelled``
         batch.status, batch.failed_at = BatchStatus.FAILED, now()
         batch.errors = outcome.errors
-        webhooks.record_final(session, settings, batch)  # the outbox commits with the status
+        # The outbox commits with the status.
+        webhook_delivery.record_final(session, settings, batch)
         log.info("batch %s failed validation: %d problems", batch_id, len(outcome.errors))
         return None

@@ -28,7 +28,7 @@ from offpeak import scheduler_state
 from offpeak.settings import Settings
 from storage.db import session_scope
 from storage.repositories import fleet_stats
-from storage.repositories.ledger import WINDOW_SHARE_BUCKETS
+from storage.repositories.billing import WINDOW_SHARE_BUCKETS
 
 log = logging.getLogger(__name__)
 

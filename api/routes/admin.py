@@ -13,7 +13,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from api import gate
 from api.deps import SessionDep
 from api.errors import Unauthorized, error_responses
-from api.schemas import PauseRequest, PauseSwitch, ResumeRequest, SchedulerView
+from api.schemas.admin import PauseRequest, PauseSwitch, ResumeRequest, SchedulerView
 from api.services import admin as admin_service
 
 router = APIRouter(prefix="/v1/admin/scheduler", tags=["admin"])

@@ -15,9 +15,10 @@ from fastapi import APIRouter, Query, Response
 from api.deps import CurrentTenant, PollDep, SessionDep, SettingsDep
 from api.errors import error_responses
 from api.responses import WireJSON
-from api.schemas import BatchList, BatchObject, CreateBatch, list_json
+from api.schemas.batches import BatchList, BatchObject, CreateBatch
+from api.schemas.common import list_json
 from api.services import batches as batches_service
-from api.services import usage as usage_service
+from api.services import billing as billing_service
 from api.services.idempotency import IdempotencyDep
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -35,7 +36,7 @@ def create_batch(
 ) -> Response:
     def produce() -> BatchObject:
         batch = batches_service.create(session, settings, tenant.id, body)
-        return BatchObject.of(batch, usage_service.bill_of(session, settings, batch))
+        return BatchObject.of(batch, billing_service.bill_of(session, settings, batch))
 
     return idempotency.run(session, body.model_dump(mode="json"), produce)
 
@@ -67,4 +68,4 @@ def cancel_batch(
     session: SessionDep, settings: SettingsDep, tenant: CurrentTenant, batch_id: str
 ) -> BatchObject:
     batch = batches_service.cancel(session, settings, tenant.id, batch_id)
-    return BatchObject.of(batch, usage_service.bill_of(session, settings, batch))
+    return BatchObject.of(batch, billing_service.bill_of(session, settings, batch))

@@ -19,7 +19,7 @@ from starlette.concurrency import iterate_in_threadpool
 from api.deps import BlobsDep, CurrentTenant, PollDep, SessionDep, SettingsDep
 from api.errors import BadRequest, error_responses
 from api.responses import WireJSON
-from api.schemas import FileDeleted, FileList, FileObject
+from api.schemas.files import FileDeleted, FileList, FileObject
 from api.services import files as files_service
 from api.services.idempotency import IdempotencyDep
 

@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse
 
 from api.deps import SettingsDep
 from api.errors import RETRY_AFTER_SECONDS
-from api.schemas_health import ErrorResponse, Health, Ready
+from api.schemas.common import ErrorResponse
+from api.schemas.health import Health, Ready
 from api.services import health as health_service
 from offpeak.wire import error_object
 

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
 from api.deps import AnthropicTenant, BlobsDep, SessionDep, SettingsDep
-from api.schemas_message_batches import (
+from api.schemas.message_batches import (
     AnthropicErrorResponse,
     CreateMessageBatch,
     DeletedMessageBatch,

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from api.deps import CurrentTenant, SettingsDep
 from api.errors import error_responses
-from api.schemas import ModelList, ModelObject
+from api.schemas.models import ModelList, ModelObject
 
 router = APIRouter(tags=["models"])
 

@@ -6,9 +6,9 @@ from fastapi import APIRouter
 
 from api.deps import CurrentTenant, SessionDep
 from api.errors import error_responses
-from api.schemas import UsageReport
-from api.services import usage as usage_service
-from api.services.usage import GroupBy
+from api.schemas.usage import UsageReport
+from api.services import billing as billing_service
+from api.services.billing import GroupBy
 
 router = APIRouter(tags=["usage"])
 
@@ -23,4 +23,4 @@ def get_usage(
 ) -> UsageReport:
     """Requests, tokens, GPU-seconds, cost and price of the tenant's batches that ended in
     ``[start, end)`` (unix seconds), grouped by ``model`` or ``day`` (UTC)."""
-    return usage_service.report(session, tenant.id, start=start, end=end, group_by=group_by)
+    return billing_service.report(session, tenant.id, start=start, end=end, group_by=group_by)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query
 
 from api.deps import CurrentTenant, SessionDep, SettingsDep
 from api.errors import error_responses
-from api.schemas_webhooks import (
+from api.schemas.webhooks import (
     CreateWebhookEndpoint,
     DeletedWebhookEndpoint,
     RotateSecret,

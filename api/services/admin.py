@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 from sqlalchemy.orm import Session
 
-from api.schemas import BatchSchedule, PauseSwitch, PoolLoad, SchedulerView
+from api.schemas.admin import BatchSchedule, PauseSwitch, PoolLoad, SchedulerView
 from offpeak import scheduler_state
 from offpeak.scheduler_state import ALL_POOLS
 from storage.repositories import scheduler as scheduler_repo

@@ -9,9 +9,9 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, Conflict, NotFound, unknown_cursor
-from api.schemas import CreateBatch, batch_json
+from api.schemas.batches import CreateBatch, batch_json
+from api.services import billing as billing_service
 from api.services import files as files_service
-from api.services import usage as usage_service
 from offpeak import endpoints
 from offpeak.endpoints import anthropic_messages
 from offpeak.ids import new_id, now
@@ -150,15 +150,16 @@ def get(session: Session, tenant_id: str, batch_id: str) -> Batch:
 
 
 def poll(db: Executor, settings: Settings, tenant_id: str, batch_id: str) -> dict[str, Any]:
-    """The Batch object a retrieve answers, as JSON-ready values (``api.schemas.batch_json``):
-    one statement once the batch is billed, two before (the engine time attributed so far).
+    """The Batch object a retrieve answers, as JSON-ready values
+    (``api.schemas.batches.batch_json``): one statement once the batch is billed, two before (the
+    engine time attributed so far).
     Read-only, rows rather than ORM objects: a status poll.
 
     Raises ``NotFound`` for an unknown or another tenant's batch."""
     row = batches_repo.poll_row(db, tenant_id, batch_id)
     if row is None or row["endpoint"] == anthropic_messages.URL:
         raise _not_found(batch_id)
-    return batch_json(row, usage_service.bills_of_rows(db, settings, [row])[batch_id])
+    return batch_json(row, billing_service.bills_of_rows(db, settings, [row])[batch_id])
 
 
 def page(
@@ -177,7 +178,7 @@ def page(
         db, tenant_id, after=after, limit=limit, exclude_endpoint=anthropic_messages.URL
     )
     shown = rows[:limit]
-    bills = usage_service.bills_of_rows(db, settings, shown)
+    bills = billing_service.bills_of_rows(db, settings, shown)
     return [batch_json(values, bills[values["id"]]) for values in shown], len(rows) > limit
 
 

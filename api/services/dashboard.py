@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from api.services import batches as batches_service
 from api.services import health as health_service
-from offpeak import pricing, scheduler_state
+from offpeak import billing, scheduler_state
 from offpeak.settings import Settings
 from offpeak.statuses import LineStatus
 from storage.repositories import fleet_stats
@@ -48,7 +48,7 @@ def _models(session: Session, settings: Settings, at: float) -> list[dict[str, A
         row["completion_tokens_per_second"] += engine.completion_tokens / window
         row["busy_ratio"] += min(engine.busy_seconds / window, 1.0)
         row["engines"] += 1
-        rate = pricing.gpu_cost_per_hour(settings, engine.model, engine.device)
+        rate = billing.gpu_cost_per_hour(settings, engine.model, engine.device)
         row["cost"] += engine.busy_seconds * rate / 3600
         row["tokens"] += engine.prompt_tokens + engine.completion_tokens
     out = []
@@ -56,18 +56,18 @@ def _models(session: Session, settings: Settings, at: float) -> list[dict[str, A
         engines, cost, tokens = row.pop("engines"), row.pop("cost"), row.pop("tokens")
         row["busy_ratio"] = row["busy_ratio"] / engines if engines else 0.0
         # The same rule as a batch's and /v1/usage's figure, so the cards and the CLI agree.
-        per_million = pricing.cost_per_million_tokens(cost, tokens)
+        per_million = billing.cost_per_million_tokens(cost, tokens)
         row["cost_per_million_tokens"] = per_million
-        row["display"] = {"cost_per_million_tokens": pricing.format_usd(per_million)}
+        row["display"] = {"cost_per_million_tokens": billing.format_usd(per_million)}
         out.append({"model": model, **row})
     return out
 
 
 def _with_display(batch: dict[str, Any]) -> dict[str, Any]:
     """A batch's JSON plus ``display``: its amounts as the page shows them, formatted here by
-    ``offpeak.pricing.format_usd`` (the CLI's function) rather than again in JavaScript."""
+    ``offpeak.billing.format_usd`` (the CLI's function) rather than again in JavaScript."""
     shown = ("cost", "price", "saving", "realtime_price", "cost_per_million_tokens")
-    return {**batch, "display": {k: pricing.format_usd(batch.get(k)) for k in shown}}
+    return {**batch, "display": {k: billing.format_usd(batch.get(k)) for k in shown}}
 
 
 def _series(session: Session, at: float, hours: float) -> dict[str, Any]:

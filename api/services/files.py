@@ -10,7 +10,7 @@ from typing import IO, Any
 from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, NotFound, PayloadTooLarge, unknown_cursor
-from api.schemas import file_json
+from api.schemas.files import file_json
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings
 from storage.blobs import CHUNK_BYTES, BlobStore
@@ -156,7 +156,7 @@ def get(session: Session, tenant_id: str, file_id: str) -> File:
 
 
 def retrieve(db: Executor, tenant_id: str, file_id: str) -> dict[str, Any]:
-    """The File object, as JSON-ready values (``api.schemas.file_json``), from a row of its
+    """The File object, as JSON-ready values (``api.schemas.files.file_json``), from a row of its
     columns: a read users poll. Raises ``NotFound`` as ``get`` does."""
     row = files_repo.poll_row(db, tenant_id, file_id)
     if row is None:

@@ -51,12 +51,12 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session
 
-from offpeak import pricing, scheduler_state
+from offpeak import billing, scheduler_state
 from offpeak.settings import Settings
 from offpeak.statuses import BatchStatus
 from storage.db import session_scope
+from storage.repositories import billing as billing_repo
 from storage.repositories import fleet_stats
-from storage.repositories import ledger as ledger_repo
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def _engines(session: Session, settings: Settings, at: float) -> Iterator[Metric
         sums = per_model[row.model]
         sums[0] += row.prompt_tokens
         sums[1] += row.completion_tokens
-        rate = pricing.gpu_cost_per_hour(settings, row.model, row.device)
+        rate = billing.gpu_cost_per_hour(settings, row.model, row.device)
         sums[2] += row.busy_seconds * rate / 3600
     for model, (prompt_tokens, completion_tokens, dollars) in per_model.items():
         prompt.add_metric([model], prompt_tokens / window)
@@ -158,15 +158,15 @@ def _batches(session: Session, at: float) -> Iterator[Metric]:
     for status in sorted({*STATUSES, *counts}):
         batches.add_metric([status], counts.get(status, 0))
     yield batches
-    bounds = ledger_repo.WINDOW_SHARE_BUCKETS
-    cumulative, count, total = ledger_repo.completion_share_buckets(session, bounds)
+    bounds = billing_repo.WINDOW_SHARE_BUCKETS
+    cumulative, count, total = billing_repo.completion_share_buckets(session, bounds)
     share = HistogramMetricFamily(
         "offpeak_batch_completion_window_share",
         "Time from creation to completion of completed batches, as a share of their window.",
     )
     share.add_metric([], [*zip(map(_le, bounds), cumulative, strict=True), ("+Inf", count)], total)
     yield share
-    recent = ledger_repo.completion_shares_since(session, int(at - QUANTILE_SPAN_SECONDS))
+    recent = billing_repo.completion_shares_since(session, int(at - QUANTILE_SPAN_SECONDS))
     quantiles = GaugeMetricFamily(
         "offpeak_batch_completion_window_share_quantile",
         "p50/p95/p99 of time to complete as a share of the window, batches of the last 24 h.",
@@ -194,7 +194,7 @@ def _ledger(session: Session) -> Iterator[Metric]:
             "offpeak_billed_price_dollars", "Price billed for batches.", labels=["model"]
         ),
     }
-    for model, tokens, seconds, cost, price in ledger_repo.totals_by_model(session):
+    for model, tokens, seconds, cost, price in billing_repo.totals_by_model(session):
         label = [model or ""]
         families["tokens"].add_metric(label, tokens)
         families["seconds"].add_metric(label, seconds)

@@ -20,7 +20,7 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 import migrations
-from api.schemas_health import Health, ModelHealth, Ready, WorkerHealth
+from api.schemas.health import Health, ModelHealth, Ready, WorkerHealth
 from offpeak import __version__
 from offpeak.settings import Settings
 from storage.db import get_engine

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, NotFound
-from api.schemas_message_batches import CreateMessageBatch, MessageBatchRequestCounts
+from api.schemas.message_batches import CreateMessageBatch, MessageBatchRequestCounts
 from offpeak.endpoints import anthropic_messages
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings, window_seconds

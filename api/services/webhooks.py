@@ -1,6 +1,7 @@
 """Webhook endpoints per tenant: create (the secret is shown once), list, retrieve, update,
 delete, rotate the secret, send a test event, and read the delivery log. Delivery itself runs in
-the workers (``workers.webhooks``), from the outbox written with each batch's final status."""
+the workers (``workers.webhook_delivery``), from the outbox written with each batch's final
+status."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import time
 from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, NotFound
-from api.schemas_webhooks import CreateWebhookEndpoint, UpdateWebhookEndpoint
-from offpeak import webhooks
+from api.schemas.webhooks import CreateWebhookEndpoint, UpdateWebhookEndpoint
+from offpeak import webhook_protocol
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings
 from storage.db import session_scope
@@ -27,12 +28,12 @@ def _check_url(settings: Settings, url: str) -> None:
     """Refuse a URL this server will not call (scheme, credentials, a private address; the host
     is resolved, and every address it has is checked). Raises ``BadRequest``."""
     try:
-        webhooks.check_target(
+        webhook_protocol.check_target(
             url,
             allow_http=settings.webhook_allow_http,
             allow_private=settings.webhook_allow_private_targets,
         )
-    except webhooks.TargetRefused as refused:
+    except webhook_protocol.TargetRefused as refused:
         raise BadRequest(f"Invalid url: {refused}", param="url", code="invalid_url") from None
 
 
@@ -54,7 +55,7 @@ def create(
             name=request.name or request.url,
             url=request.url,
             event_types=sorted(set(request.event_types)),
-            secret=webhooks.new_secret(),
+            secret=webhook_protocol.new_secret(),
             created_at=created,
             updated_at=created,
         ),
@@ -119,7 +120,7 @@ def rotate_secret(
     stamp = now()
     endpoint.previous_secret = endpoint.secret if keep_old else None
     endpoint.previous_secret_until = stamp + KEEP_OLD_SECRET_SECONDS if keep_old else None
-    endpoint.secret = webhooks.new_secret()
+    endpoint.secret = webhook_protocol.new_secret()
     endpoint.updated_at = stamp
     session.flush()
     return endpoint
@@ -141,18 +142,20 @@ def send_test(
     """
     endpoint = get(session, tenant_id, endpoint_id)
     event_id, created, at = new_id("evt_"), now(), time.time()
-    body = webhooks.event_body(event_id, event_type, created, TEST_OBJECT_ID)
+    body = webhook_protocol.event_body(event_id, event_type, created, TEST_OBJECT_ID)
     try:
-        webhooks.check_target(
+        webhook_protocol.check_target(
             endpoint.url,
             allow_http=settings.webhook_allow_http,
             allow_private=settings.webhook_allow_private_targets,
         )
         signing = webhooks_repo.signing_secrets(endpoint, at)
-        headers = webhooks.signed_headers(event_id, body, signing, time.time())
-        result = webhooks.post(endpoint.url, body, headers, settings.webhook_timeout_seconds)
-    except webhooks.TargetRefused as refused:
-        result = webhooks.Attempt(None, 0.0, f"target refused: {refused}")
+        headers = webhook_protocol.signed_headers(event_id, body, signing, time.time())
+        result = webhook_protocol.post(
+            endpoint.url, body, headers, settings.webhook_timeout_seconds
+        )
+    except webhook_protocol.TargetRefused as refused:
+        result = webhook_protocol.Attempt(None, 0.0, f"target refused: {refused}")
     with session_scope(settings.resolved_database_url) as log:
         (delivery_id,) = webhooks_repo.add_event(
             log,

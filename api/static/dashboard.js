@@ -21,7 +21,7 @@ if (params.get("key")) {
 
 const $ = (id) => document.getElementById(id);
 
-// Amounts come formatted by the server (offpeak.pricing.format_usd, the CLI's function), so the
+// Amounts come formatted by the server (offpeak.billing.format_usd, the CLI's function), so the
 // page and the CLI print the same figure, never in scientific notation.
 function money(shown) {
   return shown === null || shown === undefined || shown === "-" ? "–" : shown;

@@ -14,7 +14,7 @@ down_revision = "0005"
 branch_labels = None
 depends_on = None
 
-# Output and error files written twice by racing finalizes (issue 9): a second, unreferenced row
+# Output and error files written twice by racing finalizes: a second, unreferenced row
 # on the same blob. It is marked deleted, not removed, and its blob (the referenced file's too)
 # is kept; the unique index below then holds.
 _DROP_UNREFERENCED_TWINS = """

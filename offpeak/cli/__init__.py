@@ -117,8 +117,8 @@ def worker(
     settings = get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=loglevel, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    from offpeak import queues
-    from workers.celery_app import app as celery_app
+    from offpeak import celery_app
+    from workers.celery_worker import app as worker_app
 
     node = f"{role}-{os.getpid()}@{socket.gethostname()}"
     if role == "control":
@@ -131,7 +131,7 @@ def worker(
         argv = [
             "worker",
             "-Q",
-            queues.control_queue(settings),
+            celery_app.control_queue(settings),
             "-P",
             "threads",
             "-c",
@@ -145,7 +145,7 @@ def worker(
     elif role == "engine":
         from celery.signals import worker_ready
 
-        from workers.runner.collector import tune_collector
+        from workers.runner.gc_tuning import tune_collector
 
         tune_collector()  # the runner's lines would trigger full collections (see there)
 
@@ -174,7 +174,7 @@ def worker(
         argv = [
             "worker",
             "-Q",
-            ",".join(queues.model_queue(settings, m) for m in settings.served_models),
+            ",".join(celery_app.model_queue(settings, m) for m in settings.served_models),
             "-P",
             "solo",
             "-n",
@@ -188,12 +188,12 @@ def worker(
     from workers.runner import worker_id as this_worker
 
     worker_metrics.start_server(settings, role, this_worker())  # OFFPEAK_METRICS_PORT; 0 = off
-    from workers.celery_app import install_stop_handling
+    from workers.celery_worker import install_stop_handling
     from workers.engine import registry as engines
 
     install_stop_handling(role, stop_timeout)
     try:
-        celery_app.worker_main(argv)
+        worker_app.worker_main(argv)
     finally:
         engines.close_all()  # if Celery ended without its worker_shutdown signal
         process_tree.kill_children(timeout=5)

@@ -17,8 +17,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from offpeak.billing import format_usd
 from offpeak.cli import exit_codes
-from offpeak.pricing import format_usd
 from offpeak.settings import get_settings
 
 console = Console(soft_wrap=True)

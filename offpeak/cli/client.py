@@ -23,7 +23,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from offpeak.pricing import format_usd
+from offpeak.billing import format_usd
 from offpeak.statuses import BatchStatus
 
 #: Seconds between two reads of ``/healthz`` while waiting (each may warn once).
@@ -306,7 +306,7 @@ def print_usage(report: dict[str, Any], console: Console) -> None:
     """The usage report as a table that fits 80 columns: one row per group, then a row labelled
     ``total``; token counts compact (``format_count``), amounts by ``format_usd``. The caption
     gives the total's saving and its cost per million tokens
-    (``offpeak.pricing.cost_per_million_tokens``, the dashboard's rule)."""
+    (``offpeak.billing.cost_per_million_tokens``, the dashboard's rule)."""
     group = report.get("group_by")
     total = report["total"]
     table = Table(

@@ -1,4 +1,4 @@
-"""The ``offpeak`` client commands' exit codes, in one place (the README's table lists them).
+"""The ``offpeak`` client commands' exit codes, in one place (docs/cli.md lists them).
 
 Scripts branch on them: ``offpeak submit --wait`` returns the batch's outcome, so
 ``offpeak submit in.jsonl --wait && offpeak download …`` downloads only a completed batch.

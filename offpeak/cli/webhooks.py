@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from offpeak.webhooks import EVENT_TYPES
+from offpeak.webhook_protocol import EVENT_TYPES
 
 webhooks_app = typer.Typer(help="Webhook endpoints (signed batch events).", no_args_is_help=True)
 console = Console(soft_wrap=True)

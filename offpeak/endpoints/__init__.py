@@ -6,8 +6,8 @@ finished line's record becomes its output body. Adding an endpoint is one new mo
 entry in ``ENDPOINTS``.
 
 Who asks: the API's batch create (which endpoints a batch may target), the file validation
-(which body fields a line must carry), the runner (``workers.serving``: a line's body to an engine
-request, an engine result to a record) and finalize (records to OpenAI's output lines).
+(which body fields a line must carry), the runner (``workers.engine_io``: a line's body to an
+engine request, an engine result to a record) and finalize (records to OpenAI's output lines).
 
 Why here, in the core: the API must name the endpoints and, for a second API surface (Anthropic's
 Message Batches), parse request bodies and render finished lines, yet it may import only the core
@@ -15,7 +15,7 @@ and ``storage``. So the whole endpoint lives here, with the two things that woul
 ``workers`` replaced by neutral ones: engine input is computed against ``base.Tokenizer`` (a
 Protocol every engine satisfies) into ``base.SamplingSpec`` (which the engine interface uses as
 its own), and results are stored as ``records`` rather than as OpenAI's bytes. Turning an engine's
-own result into a record stays in ``workers.serving``, next to the engine types.
+own result into a record stays in ``workers.engine_io``, next to the engine types.
 """
 
 from __future__ import annotations

@@ -136,8 +136,8 @@ def _spec(
     structured_output: StructuredOutput | None,
 ) -> SamplingSpec:
     """One ``SamplingSpec`` per distinct set of values: a batch's lines mostly ask the same, and
-    building the frozen dataclass was a fifth of preparing a chat line for the engine (issue 14,
-    ``offpeak bench control``)."""
+    building the frozen dataclass was a large share of preparing a chat line for the engine
+    (``offpeak bench control``)."""
     return SamplingSpec(
         max_tokens=max_tokens,
         temperature=temperature,

@@ -7,7 +7,7 @@ object"). A batch line is one stateless text turn, so what needs state, tools or
 its line alone with a 400 naming the parameter: ``tools`` (and a ``tool_choice`` that would call
 one), ``previous_response_id``, ``conversation``, ``background``, ``prompt`` (a stored prompt),
 ``reasoning``, ``include``, ``top_logprobs``, ``truncation: "auto"``, ``context_management``,
-``stream`` (issue 12: unlike chat and completions lines, whose ``stream: true`` fails the whole
+``stream`` (unlike chat and completions lines, whose ``stream: true`` fails the whole
 file with ``streaming_unsupported``, ``refuses_file_for_stream``). ``store``, ``user``,
 ``safety_identifier``, ``prompt_cache_key``, ``service_tier``, ``parallel_tool_calls``,
 ``max_tool_calls`` and ``text.verbosity`` change nothing here and are accepted.

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 from offpeak.statuses import BatchStatus, LineStatus
 from storage.db import Executor, PollQuery
 from storage.models import Batch, RequestLine
-from storage.repositories import ledger as ledger_repo
+from storage.repositories import billing as billing_repo
 
 
 def add(session: Session, batch: Batch) -> Batch:
@@ -28,7 +28,7 @@ def get(session: Session, tenant_id: str, batch_id: str) -> Batch | None:
     return session.scalar(_of_tenant(tenant_id, batch_id))
 
 
-#: The columns a status poll shows (``api.schemas.batch_json``), named as ``Batch``'s
+#: The columns a status poll shows (``api.schemas.batches.batch_json``), named as ``Batch``'s
 #: attributes, so the same code reads a row of them and a ``Batch``.
 POLL_COLUMNS = (
     Batch.id, Batch.endpoint, Batch.model, Batch.errors, Batch.input_file_id,
@@ -43,13 +43,13 @@ POLL_COLUMNS = (
 # Built once, with bound parameters (status polls run them): building a statement and its
 # cache key each time cost more than executing it.
 _POLL_ONE = PollQuery(
-    ledger_repo.with_bills(
+    billing_repo.with_bills(
         select(*POLL_COLUMNS).where(
             Batch.id == bindparam("batch_id"), Batch.tenant_id == bindparam("tenant_id")
         )
     )
 )
-_PAGE = ledger_repo.with_bills(
+_PAGE = billing_repo.with_bills(
     select(*POLL_COLUMNS)
     .where(Batch.tenant_id == bindparam("tenant_id"), Batch.endpoint != bindparam("endpoint"))
     .order_by(Batch.id.desc())

@@ -51,13 +51,12 @@ class EnginePeriod:
 
 
 #: The engine chunk of the lines a ``requests.RESULTS_CTES`` statement wrote, appended to its
-#: ``WITH`` list: one ``engine_chunks`` row when any of them succeeded (``tokens_by_batch``'s
-#: rule: failed and never-run lines used no engine time), and one ``engine_chunk_batches`` row
-#: per batch with succeeded lines, from ``batches.COUNTERS_CTES``' ``sums``. Only rows actually
-#: written count: a line another worker took over is billed (once) by that worker. The chunk's
-#: id is a scalar subquery, not a join: a join of two CTEs is a nested loop, which the
-#: write-back's transaction disables (``requests.NO_NESTED_LOOPS``), and the penalty it then
-#: carries in the cost estimate turned on the JIT compiler (400 ms a statement).
+#: ``WITH`` list: one ``engine_chunks`` row when any of them succeeded (failed and never-run
+#: lines used no engine time), and one ``engine_chunk_batches`` row per batch with succeeded
+#: lines, from ``batches.COUNTERS_CTES``' ``sums``. Only rows actually written count: a line
+#: another worker took over is billed (once) by that worker. The chunk's id is a scalar
+#: subquery, not a join: the write-back disables nested loops (``requests.NO_NESTED_LOOPS``),
+#: and the penalty a join then carries in the cost estimate turns on the JIT compiler.
 #: Parameters: ``period_params``.
 CHUNK_CTES = """
     chunk AS (
@@ -108,9 +107,8 @@ def record(
         totals.prompt_tokens += tokens.prompt_tokens
         totals.cached_tokens += tokens.cached_tokens
         totals.completion_tokens += tokens.completion_tokens
-    # A Core insert on the session's connection, not an ORM object and its flush: nothing reads
-    # the object back, and the unit of work cost ~0.1 ms of CPU more (0.40 vs 0.30 ms for a
-    # transaction holding just this insert, on the write-back's thread every write).
+    # A Core insert, not an ORM object and its flush: nothing reads the object back, and the
+    # unit of work costs CPU on the write-back's thread every write.
     chunk_id = (
         session.connection()
         .execute(

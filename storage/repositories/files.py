@@ -37,7 +37,7 @@ def get(session: Session, tenant_id: str, file_id: str) -> File | None:
     )
 
 
-#: A live file's columns a status poll shows (``api.schemas.file_json``) and its ``blob_key``,
+#: A live file's columns a status poll shows (``api.schemas.files.file_json``) and its ``blob_key``,
 #: built once with bound parameters (``poll_row``).
 _POLL_ONE = PollQuery(select(
     File.id, File.bytes, File.created_at, File.expires_at, File.filename, File.purpose,

@@ -132,21 +132,15 @@ def claim(
     another transaction holds. Returns them in id order.
 
     Two range scans of ``ix_requests_claim`` (model, status, deadline, id) instead of one
-    ``status = pending OR (status = running AND lease_expires_at < at)``, which cannot walk that
-    index in deadline order; and an integer bound on the bigint ``deadline`` (a float one made
-    PostgreSQL cast every row's deadline). Issue 14 measured the old query at 35% of an engine
-    worker's time. Rows with a lapsed lease come first (few running rows to scan: what workers
-    hold), then pending rows in deadline order.
+    ``pending OR (running AND lease lapsed)``, which cannot walk that index in deadline order;
+    and an integer bound on the bigint ``deadline`` (a float one casts every row). Rows with a
+    lapsed lease come first (few: what workers hold), then pending rows in deadline order.
 
-    On PostgreSQL the claim is one statement (``CLAIM_STATEMENTS``: both scans, locking, as
-    the arms of a ``UNION ALL`` under one ``LIMIT``, so the pending scan locks only the rows
-    the lapsed one left room for), sent in one round trip with the transaction's ``BEGIN`` and
-    its planner setting (psycopg's pipeline mode): three round trips a claim with the
-    ``COMMIT`` and the pool's pre-ping, where the batches read, the setting and each of two
-    ``UPDATE`` statements took one (seven: the claim thread's waits were the engine worker's
-    pace once two write-backs ran at a time, ``offpeak bench control``,
-    ``docs/benchmarks.md``). Sorts are off for the claim's transaction, so stale statistics
-    cannot choose a sort over the ordered walk (``tests/test_claim_plan.py``)."""
+    On PostgreSQL the claim is one statement (``CLAIM_STATEMENTS``: both scans as the arms of a
+    ``UNION ALL`` under one ``LIMIT``, so the pending scan locks only the rows the lapsed one left
+    room for), pipelined with the transaction's ``BEGIN`` and planner setting: round trips pace
+    the claim thread (``offpeak bench control``). Sorts are off for the claim's transaction, so
+    stale statistics cannot choose a sort over the ordered walk (``tests/test_claim_plan.py``)."""
     # deadline is whole seconds: deadline > at  <=>  deadline > floor(at), an integer bound.
     after = math.floor(at)
     if is_postgres(session):
@@ -169,7 +163,7 @@ def claim(
 #: The claim's planner setting on PostgreSQL, for its transaction only: a plan with a sort is
 #: then the last resort. With statistics from before a large batch was copied in (autovacuum
 #: not yet come by), PostgreSQL took the batch's rows as few, read them all by another index and
-#: sorted them on every claim (35-60 ms per claim of 50,000 lines, against a few on the walk).
+#: sorted them on every claim.
 NO_SORTS = "SET LOCAL enable_sort = off"
 
 
@@ -179,7 +173,7 @@ def _claim_arm(status: str, lapsed: bool, only: bool) -> str:
         "SELECT id FROM requests WHERE model = %(model)s AND status = '" + status + "' "
         "AND deadline > %(after)s "
         # An array of the running batches, not a join: joined, the planner sorted every pending
-        # row of the model instead of walking the index (19 vs 0.5 ms a claim, 30,000 rows).
+        # row of the model instead of walking the index.
         "AND batch_id = ANY(ARRAY(SELECT id FROM batches WHERE status = 'in_progress')) "
         + ("AND batch_id = ANY(%(only)s::varchar[]) " if only else "")
         + ("AND lease_expires_at < %(at)s " if lapsed else "")
@@ -276,7 +270,7 @@ def _take(
 @cache
 def _take_statement(lapsed: bool) -> Any:
     """``_take``'s statement, built once per kind with its values as bound parameters (building
-    it per claim cost ~1 ms of an engine worker's CPU, twice a claim)."""
+    it per claim was a visible share of an engine worker's CPU)."""
     picked = (
         select(RequestLine.id)
         .where(
@@ -387,10 +381,8 @@ def write_results(session: Session, owner: str, results: Sequence[FinishedLine])
 #: The results' ``UPDATE`` (fenced on the lease: only rows ``%(owner)s`` still runs), the rows it
 #: moved in ``written``, then the batches' counters (``batches.COUNTERS_CTES``): the ``WITH``
 #: list of one statement, so the counters cost no round trip. Each column travels as one text
-#: parameter the server splits (``results_params``): psycopg dumps a list element by element
-#: in Python (its text dumper escaping each, 60x slower for a thousand results than its binary
-#: one, which still took 2.2 µs of the engine worker's CPU a line for the eight columns; joined
-#: here in C, 0.5 µs; ``offpeak bench control``, issue 14).
+#: parameter the server splits (``results_params``): psycopg dumps a list element by element in
+#: Python, several times the CPU a line of one joined string (``offpeak bench control``).
 RESULTS_CTES = f"""
     written AS (
         UPDATE requests AS q
@@ -412,7 +404,7 @@ RESULTS_CTES = f"""
 
 #: Never a nested loop for the results' join: the planner's statistics see few rows "running"
 #: for this owner (estimated 1), so it nests the unnest inside the requests scan and rescans the
-#: arrays once per row: 465 ms for 512 results on 20,000 rows vs 17 ms hash-joined (issue 14).
+#: arrays once per row, which is many times slower than the hash join.
 #: ``SET LOCAL``: off until the transaction ends (the write-back's other statements look rows up
 #: by key and join nothing, so setting it back would only cost a round trip).
 NO_NESTED_LOOPS = "SET LOCAL enable_nestloop = off"
@@ -560,7 +552,7 @@ def iter_finished(
     """``(custom_id, status, result)`` of every row of the batch in line order, streamed from a
     server-side cursor so a 50,000-line batch is never in memory at once. PostgreSQL: the
     driver's own named cursor, ``batch_size`` rows a fetch, the rows as it returns them
-    (through the ORM's result rows, ~5 µs a line of finalize's time)."""
+    (the ORM's result rows cost finalize more per line)."""
     if is_postgres(session):
         yield from _iter_finished_pg(session, batch_id, batch_size)
         return

@@ -4,7 +4,7 @@ so one sweep's transaction stays short; the next sweep goes on."""
 
 from __future__ import annotations
 
-from sqlalchemy import ColumnElement, delete, exists, func, or_, select
+from sqlalchemy import delete, exists, or_, select
 from sqlalchemy.orm import Session
 
 from offpeak.statuses import BatchStatus
@@ -34,10 +34,6 @@ def delete_files(session: Session, file_ids: list[str]) -> int:
     return int(result.rowcount or 0)  # type: ignore[attr-defined]
 
 
-def _ended_at() -> ColumnElement[int]:
-    return func.coalesce(Batch.completed_at, Batch.expired_at, Batch.cancelled_at, Batch.failed_at)
-
-
 def batches_to_prune(session: Session, *, ended_before: int, limit: int) -> list[str]:
     """Ids of batches that ended before ``ended_before`` (unix seconds), are billed (the bill is
     computed from the batch's own counters, so it needs no row) and still have request rows."""
@@ -48,7 +44,7 @@ def batches_to_prune(session: Session, *, ended_before: int, limit: int) -> list
             select(Batch.id)
             .where(
                 Batch.status.in_(BatchStatus.FINAL),
-                _ended_at() < ended_before,
+                Batch.ended_at < ended_before,
                 billed,
                 has_rows,
             )

@@ -210,8 +210,8 @@ def set_estimates(session: Session, estimates: Mapping[str, float | None]) -> No
     """Store ``batch_id → estimated_completion_at`` (unix seconds, or ``None``), skipping a
     batch whose row another transaction holds (a write-back's counters, a finalize): the
     estimate is refreshed every ``scheduler.estimate_seconds``, so the next one stores it, and
-    the runner's loop, which saves them, never waits on a row lock (one wait behind a finalize
-    stalled it 0.6 s in ``offpeak bench control``)."""
+    the runner's loop, which saves them, never waits on a row lock (a wait behind a finalize
+    stalls it, ``offpeak bench control``)."""
     if not estimates:
         return
     free = (

@@ -2,14 +2,10 @@
 advances their batches' counters, records the engine chunk they took, renews the leases of the
 lines the worker still holds, marks the worker alive and reads the statuses of its batches.
 
-On PostgreSQL all of it is **one round trip** (psycopg's pipeline mode: the statements go out
-together and their results come back together), of which the results, the counters and the
-chunk are one statement (``requests.RESULTS_CTES`` and ``engine_chunks.CHUNK_CTES``). The
-write-back is the runner's pace when the engine answers at once: with a round trip per
-statement (eight) the writer's thread spent most of a 50,000-line run waiting on them, each
-also waiting for the GIL on its way back (issue 14, ``offpeak bench control``;
-``docs/benchmarks.md``, "Seventh round"). Elsewhere (SQLite) the same steps run one statement at
-a time through the repositories' functions.
+On PostgreSQL it is one round trip (psycopg's pipeline mode), the results, counters and chunk
+one statement (``requests.RESULTS_CTES``, ``engine_chunks.CHUNK_CTES``): the write-back paces
+the runner when the engine answers at once (``offpeak bench control``). Elsewhere (SQLite) the
+same steps run one statement at a time through the repositories' functions.
 """
 
 from __future__ import annotations

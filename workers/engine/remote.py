@@ -1,31 +1,26 @@
 """The remote engine: batch lines through an existing OpenAI-compatible vLLM server.
 
 Instead of loading a model of its own, an engine worker whose model has ``engine: "remote"``
-sends each request line to the server at ``ModelConfig.url`` (the real-time fleet's): the
-prompt as token ids (the runner already rendered the chat template) to ``/v1/completions``, with
-the line's sampling, vLLM's ``priority`` (``ModelConfig.priority``, positive, so the server runs
-real-time requests, priority 0, first when both wait; the server needs ``--scheduling-policy
-priority``) and ``return_token_ids``, so results carry the same token ids, logprobs and usage as
-the in-process engine's (``--enable-prompt-tokens-details`` for cached tokens).
+sends each request line to the server at ``ModelConfig.url`` (the real-time fleet's) as token ids
+(``workers.engine.remote_wire``), at vLLM's ``priority`` ``ModelConfig.priority``: positive, so
+the server runs real-time requests (priority 0) first when both wait (the server needs
+``--scheduling-policy priority``).
 
-Concurrency: one asyncio event loop in a daemon thread drives every HTTP request of the engine
-with one ``httpx.AsyncClient``. A thread per request would need as many threads as lines in
-flight (hundreds), and a blocked thread cannot be stopped; a task can: ``abort`` cancels it,
-httpx closes its connection, and vLLM aborts a request whose client disconnected (checked on
-the real server in ``tests/test_engine_remote.py``). ``add`` only queues a line (locally, never
-in the server's queue, so ``vllm:num_requests_waiting`` stays real-time work); the loop keeps at
-most ``max_in_flight`` lines at the server, and ``step`` collects what finished, waiting at most
-``STEP_WAIT_SECONDS`` when nothing did.
+Concurrency: one asyncio event loop in a daemon thread drives every HTTP request with one
+``httpx.AsyncClient``. A thread per request would need as many threads as lines in flight, and a
+blocked thread cannot be stopped; a task can: ``abort`` cancels it, httpx closes its connection,
+and vLLM aborts a request whose client disconnected. ``add`` only queues a line here, never in
+the server's queue, so ``vllm:num_requests_waiting`` stays real-time work; at most
+``max_in_flight`` lines are at the server.
 
-Verdicts and faults: a 4xx answer for a line is that line's verdict (a result with ``error``:
-the line fails alone with the server's message); a server that cannot be reached, resets the
-connection, times out or answers 5xx is an ``EngineFault`` (``blameless`` when the server went
-away, so no line is charged an attempt), raised from ``step``; ``connect`` waits with
-exponential backoff until the server's ``/health`` answers again.
+Verdicts and faults: a 4xx answer for a line is that line's verdict (the line fails alone with
+the server's message); a server that cannot be reached, resets the connection, times out or
+answers 5xx is an ``EngineFault`` (``blameless`` when the server went away, so no line is charged
+an attempt), raised from ``step``; ``connect`` waits with exponential backoff until the server's
+``/health`` answers again.
 
-Cost: ``ServerMeter`` reads the server's token counters (``/metrics``) every
-``metrics_interval_seconds``; the runner's write-back charges each period's wall seconds × our
-share of the server's weighted tokens (``workers.runner.writeback``, ``docs/engine.md``).
+Cost: the engine's ``ServerMeter`` (``workers.engine.remote_meter``) reads the server's token
+counters, from which the write-back charges our share of the server's time.
 """
 
 from __future__ import annotations
@@ -34,7 +29,6 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -47,18 +41,18 @@ from typing import Any
 import httpx
 
 from offpeak.settings import ModelConfig
-from workers.engine.base import (
-    Completion,
-    EngineFault,
-    EngineRequest,
-    EngineResult,
-    RequestRefused,
-    SamplingSpec,
-    TokenLogprob,
-    TopLogprob,
+from workers.engine.base import EngineFault, EngineRequest, EngineResult, SamplingSpec
+from workers.engine.chat_template import TemplateTokenizer
+from workers.engine.remote_meter import ServerMeter
+from workers.engine.remote_tokenizer import ServerTokenizer, local_tokenizer
+from workers.engine.remote_wire import (
+    VERDICTS,
+    completion_body,
+    error_message,
+    refusal,
+    served_models,
+    to_result,
 )
-from workers.engine.chat_template import TemplateTokenizer, flatten_message
-from workers.scheduler.signals import parse_metrics
 
 log = logging.getLogger(__name__)
 
@@ -71,197 +65,10 @@ MAX_BACKOFF_SECONDS = 30.0
 #: Consecutive failed ``/metrics`` reads, while lines are in flight, after which the server
 #: counts as gone (a host that vanished answers nothing, not even a reset).
 METRICS_FAILURES_FOR_FAULT = 3
-#: vLLM's Prometheus token counters (``vllm.v1.metrics.loggers``): prompt tokens (cached
-#: included), cached prompt tokens, generated tokens.
-PROMPT_TOKENS = "vllm:prompt_tokens_total"
-CACHED_TOKENS = "vllm:prompt_tokens_cached_total"
-GENERATION_TOKENS = "vllm:generation_tokens_total"
-_COUNTERS = (PROMPT_TOKENS, CACHED_TOKENS, GENERATION_TOKENS)
-#: Answers that are a verdict on the request itself (vLLM: 400 for a prompt over the context
-#: window, bad sampling values). 401/403/404 (wrong key, wrong model name) and 429 are about
-#: the server or its configuration: faults, not line failures.
-_VERDICTS = frozenset({400, 413, 422})
-_FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
 class ServerUnavailable(RuntimeError):
     """``connect`` gave up: the worker is stopping while the server is still away."""
-
-
-# --- The server's token counters ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ServerTokens:
-    """Token counters of a vLLM server (or their difference over a period): prompt tokens (cached
-    included), cached prompt tokens, generated tokens."""
-
-    prompt: float = 0.0
-    cached: float = 0.0
-    generation: float = 0.0
-
-    def since(self, earlier: ServerTokens) -> ServerTokens:
-        """Tokens counted after ``earlier``; a counter that went down (the server restarted and
-        counts from 0 again) counts all of its current value, as Prometheus' ``increase`` does."""
-
-        def delta(now: float, before: float) -> float:
-            return now - before if now >= before else now
-
-        return ServerTokens(
-            delta(self.prompt, earlier.prompt),
-            delta(self.cached, earlier.cached),
-            delta(self.generation, earlier.generation),
-        )
-
-    def plus(self, other: ServerTokens) -> ServerTokens:
-        return ServerTokens(
-            self.prompt + other.prompt,
-            self.cached + other.cached,
-            self.generation + other.generation,
-        )
-
-
-@dataclass(frozen=True)
-class ServerUsage:
-    """What a ``ServerMeter`` counted since it started: ``busy_seconds`` of wall time during which
-    at least one of our requests was at the server, and the tokens the server processed (for
-    everyone) in that time. Monotonic: the difference of two readings covers the time between."""
-
-    busy_seconds: float = 0.0
-    tokens: ServerTokens = ServerTokens()
-
-    def since(self, earlier: ServerUsage) -> ServerUsage:
-        return ServerUsage(
-            self.busy_seconds - earlier.busy_seconds,
-            ServerTokens(
-                self.tokens.prompt - earlier.tokens.prompt,
-                self.tokens.cached - earlier.tokens.cached,
-                self.tokens.generation - earlier.tokens.generation,
-            ),
-        )
-
-
-def parse_server_tokens(text: str) -> ServerTokens:
-    """The token counters in a vLLM ``/metrics`` page, summed over its label sets (several
-    engines or model names behind one server all share its time). Raises ``ValueError`` when the
-    page has no ``vllm:prompt_tokens_total`` or ``vllm:generation_tokens_total``."""
-    # Only the three counters are parsed: the page is ~100 kB, read every second.
-    wanted = "\n".join(line for line in text.splitlines() if line.startswith(_COUNTERS)) + "\n"
-    values = parse_metrics(wanted, _COUNTERS)
-    if PROMPT_TOKENS not in values or GENERATION_TOKENS not in values:
-        raise ValueError(f"no {PROMPT_TOKENS} / {GENERATION_TOKENS} in the server's metrics")
-    return ServerTokens(
-        values[PROMPT_TOKENS], values.get(CACHED_TOKENS, 0.0), values[GENERATION_TOKENS]
-    )
-
-
-class ServerMeter:
-    """Reads a vLLM server's token counters (``metrics_url``) every ``interval`` seconds and adds
-    up, over the intervals in which ``busy()`` was true at some point, their wall seconds and the
-    tokens the server processed: ``usage()``. The remote engine runs ``sample`` on its event
-    loop; the write-back (our share of the server's time) and the batch lane's controller read
-    ``usage()`` from other threads.
-    """
-
-    def __init__(self, metrics_url: str, interval: float, busy: Callable[[], bool]) -> None:
-        self.metrics_url = metrics_url
-        self.interval = interval
-        self._busy = busy
-        self._lock = threading.Lock()
-        self._usage = ServerUsage()
-        self._last: tuple[float, ServerTokens] | None = None
-        #: Whether we had work at the server at some point since the last reading.
-        self._was_busy = False
-        #: The interval just after our work ended is already marked to count (once).
-        self._tail_counted = False
-        #: Reads that failed in a row (``METRICS_FAILURES_FOR_FAULT``).
-        self.failures = 0
-
-    def usage(self) -> ServerUsage:
-        """Busy seconds and server tokens counted so far (thread-safe)."""
-        with self._lock:
-            return self._usage
-
-    def mark_busy(self) -> None:
-        """A request of ours went to the server (the interval it falls in counts)."""
-        self._was_busy = True
-
-    def record(self, at: float, tokens: ServerTokens | None) -> None:
-        """Account one reading taken at monotonic ``at`` (``None``: the read failed). The interval
-        since the last good reading counts when we had work at the server in it, and so does
-        the one after: the server bumps its counters after it has answered, so the last step's
-        tokens of a line that just finished can land after the reading that saw it finish
-        (seen: 5 of 954 generation tokens missed)."""
-        busy = self._was_busy or self._busy()
-        if tokens is None:
-            self.failures += 1
-            self._was_busy = busy  # the gap counts with the next good reading
-            return
-        self._was_busy = self._busy() or (busy and not self._tail_counted)
-        self._tail_counted = busy and not self._busy()
-        self.failures = 0
-        with self._lock:
-            if self._last is not None and busy:
-                seconds = at - self._last[0]
-                self._usage = ServerUsage(
-                    self._usage.busy_seconds + seconds,
-                    self._usage.tokens.plus(tokens.since(self._last[1])),
-                )
-            self._last = (at, tokens)
-
-    async def sample(self, client: httpx.AsyncClient) -> None:
-        """Read the counters once (``record``)."""
-        try:
-            response = await client.get(self.metrics_url, timeout=max(2.0, self.interval * 5))
-            response.raise_for_status()
-            tokens: ServerTokens | None = parse_server_tokens(response.text)
-        except (httpx.HTTPError, ValueError) as exc:
-            log.debug("cannot read %s: %s", self.metrics_url, exc)
-            tokens = None
-        self.record(time.monotonic(), tokens)
-
-
-# --- Tokenization -----------------------------------------------------------------------------
-
-
-def local_tokenizer(path: Path) -> TemplateTokenizer:
-    """The model's own tokenizer (a Hugging Face folder), rendering exactly as ``VllmEngine``."""
-    from transformers import AutoTokenizer
-
-    return TemplateTokenizer(AutoTokenizer.from_pretrained(str(path)))
-
-
-class ServerTokenizer:
-    """The server's ``/tokenize`` (one round trip per line), for a model without a local folder.
-
-    Raises ``ValueError`` for messages the server's template refuses (its 400) and
-    ``EngineFault`` (blameless) when the server cannot be reached: the chunk goes back unrun.
-    """
-
-    def __init__(self, client: httpx.Client, model: str) -> None:
-        self._client = client
-        self._model = model
-
-    def _tokenize(self, body: dict[str, Any]) -> list[int]:
-        try:
-            response = self._client.post("/tokenize", json={"model": self._model, **body})
-        except httpx.HTTPError as exc:
-            raise EngineFault(f"/tokenize failed: {exc!r}", blameless=True) from exc
-        if response.status_code in _VERDICTS:
-            raise ValueError(_error_message(response))
-        if response.status_code != 200:
-            raise EngineFault(f"/tokenize answered {response.status_code}: {response.text[:200]}")
-        return [int(t) for t in response.json()["tokens"]]
-
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        flat = [flatten_message(m) for m in messages]
-        return self._tokenize({"messages": flat, "add_generation_prompt": True})
-
-    def encode_text(self, text: str) -> list[int]:
-        return self._tokenize({"prompt": text, "add_special_tokens": True})
-
-    def count(self, text: str) -> int:
-        return len(self._tokenize({"prompt": text, "add_special_tokens": False}))
 
 
 # --- The engine -------------------------------------------------------------------------------
@@ -371,7 +178,7 @@ class RemoteEngine:
         wait, since = FIRST_BACKOFF_SECONDS, time.monotonic()
         while True:
             try:
-                models = _served_models(client)
+                models = served_models(client)
                 break
             except (httpx.HTTPError, ValueError) as exc:
                 if stop():
@@ -569,8 +376,8 @@ class RemoteEngine:
             # line's fault.
             fault = EngineFault(f"{self.base_url} failed request {rid}: {exc!r}", blameless=True)
             return _Outcome(rid, seq, fault=fault)
-        if response.status_code in _VERDICTS:
-            refused = refusal(request, _error_message(response))
+        if response.status_code in VERDICTS:
+            refused = refusal(request, error_message(response))
             return _Outcome(rid, seq, result=EngineResult(rid, 0, 0, [], refused=refused))
         if response.status_code != 200:
             fault = EngineFault(
@@ -592,134 +399,11 @@ class RemoteEngine:
 
     def _to_result(self, rid: str, spec: SamplingSpec, body: dict[str, Any]) -> EngineResult:
         usage = body.get("usage") or {}
-        details = usage.get("prompt_tokens_details")
-        if details is None and not self._warned_no_cached:
+        if usage.get("prompt_tokens_details") is None and not self._warned_no_cached:
             self._warned_no_cached = True
             log.warning(
                 "%s: the server reports no cached tokens; start it with "
                 "--enable-prompt-tokens-details",
                 self.base_url,
             )
-        choices = sorted(body["choices"], key=lambda c: c.get("index", 0))
-        return EngineResult(
-            request_id=rid,
-            prompt_tokens=int(usage["prompt_tokens"]),
-            cached_tokens=int((details or {}).get("cached_tokens") or 0),
-            completions=[self._to_completion(c, spec) for c in choices],
-        )
-
-    def _to_completion(self, choice: dict[str, Any], spec: SamplingSpec) -> Completion:
-        reason = choice.get("finish_reason") or "stop"
-        if reason not in _FINISH_REASONS:
-            log.warning("completion ended with finish reason %r", reason)
-        text = str(choice.get("text") or "")
-        token_ids = choice.get("token_ids")
-        if token_ids is None:  # a server without return_token_ids: the count is what matters
-            token_ids = [0] * self._tokenizer.count(text)
-        logprobs = None
-        if spec.logprobs is not None and choice.get("logprobs"):
-            logprobs = to_logprobs(choice["logprobs"], spec.logprobs)
-        stop = choice.get("stop_reason")  # the stop string matched, a stop token id, or None
-        return Completion(
-            text=text,
-            token_ids=[int(t) for t in token_ids],
-            finish_reason=_FINISH_REASONS.get(reason, "stop"),
-            logprobs=logprobs,
-            stop_sequence=stop if isinstance(stop, str) else None,
-        )
-
-
-def completion_body(model: str, request: EngineRequest, priority: int) -> dict[str, Any]:
-    """The ``/v1/completions`` body of ``request``: its token ids, every ``SamplingSpec`` field,
-    vLLM's ``priority`` and ``return_token_ids``.
-
-    ``min_p`` and ``repetition_penalty`` are sent at vLLM's ``SamplingParams`` defaults: a
-    server fills what a request leaves out from the model's ``generation_config.json``, which
-    the in-process engine (explicit ``SamplingParams``) does not use, so the same line samples
-    the same tokens on both. ``structured_output`` becomes vLLM's ``structured_outputs``.
-    """
-    spec = request.sampling
-    body: dict[str, Any] = {
-        "model": model,
-        "prompt": list(request.prompt_token_ids),
-        "max_tokens": spec.max_tokens,
-        "temperature": spec.temperature,
-        "top_p": spec.top_p,
-        "n": spec.n,
-        "stop": list(spec.stop),
-        "seed": spec.seed,
-        "logprobs": spec.logprobs,
-        "presence_penalty": spec.presence_penalty,
-        "frequency_penalty": spec.frequency_penalty,
-        "top_k": spec.top_k,
-        "min_p": 0.0,
-        "repetition_penalty": 1.0,
-        "priority": priority,
-        "return_token_ids": True,
-        "stream": False,
-    }
-    structured = spec.structured_output
-    if structured is not None:
-        body["structured_outputs"] = (
-            {"json_object": True}
-            if structured.json_schema is None
-            else {"json": structured.json_schema}
-        )
-    return body
-
-
-def refusal(request: EngineRequest, message: str) -> RequestRefused:
-    """The verdict of a server's 4xx answer; a schema its grammar backend refused names the
-    line's schema parameter, as ``VllmEngine`` does."""
-    structured = request.sampling.structured_output
-    lowered = message.lower()
-    if structured is not None and ("schema" in lowered or "grammar" in lowered):
-        return RequestRefused(
-            f"The schema cannot be used for structured output: {message}",
-            param=structured.param,
-            code="invalid_json_schema",
-        )
-    return RequestRefused(message)
-
-
-def to_logprobs(logprobs: dict[str, Any], k: int) -> list[TokenLogprob]:
-    """Completions-API logprobs (``tokens``, ``token_logprobs``, ``top_logprobs``) as
-    ``TokenLogprob``s, with the ``k`` most likely alternatives, most likely first. vLLM lists the
-    sampled token and the ``k`` most likely ones (k + 1 when the sampled one ranks below them,
-    keyed by decoded text); keeping the best ``k`` leaves it out exactly then, as
-    ``VllmEngine`` does. Two alternatives that decode to the same text collapse into one key at
-    the server; ``-9999.0`` is how it writes minus infinity."""
-    out = []
-    tops = logprobs.get("top_logprobs") or []
-    for i, token in enumerate(logprobs.get("tokens") or []):
-        value = logprobs["token_logprobs"][i]
-        top = tops[i] if i < len(tops) and tops[i] else {}
-        best = sorted(top.items(), key=lambda item: -item[1])[:k]
-        out.append(
-            TokenLogprob(
-                token=str(token),
-                logprob=float(value) if value is not None else math.nan,
-                top=[TopLogprob(str(t), float(lp)) for t, lp in best],
-            )
-        )
-    return out
-
-
-def _served_models(client: httpx.Client) -> dict[str, int | None]:
-    """``name → max_model_len`` from a healthy server. Raises ``httpx.HTTPError`` while it is
-    not (``/health`` not 200, or no answer)."""
-    client.get("/health").raise_for_status()
-    response = client.get("/v1/models")
-    response.raise_for_status()
-    return {m["id"]: m.get("max_model_len") for m in response.json()["data"]}
-
-
-def _error_message(response: httpx.Response) -> str:
-    """The server's error message (OpenAI's ``{"error": {"message"}}``), else its text."""
-    try:
-        error = response.json().get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-    except ValueError:
-        pass
-    return f"the server answered {response.status_code}: {response.text[:300]}"
+        return to_result(rid, spec, body, self._tokenizer.count)

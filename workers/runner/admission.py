@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 import orjson
 
 from storage.repositories.requests import ClaimedRequest, FinishedLine
-from workers import serving
+from workers import engine_io
 from workers.engine.base import Engine, EngineFault
+from workers.engine_io import LineError
 from workers.runner import results
 from workers.runner.held import HeldLine
 from workers.scheduler.chunking import prefix_order
-from workers.serving import LineError
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def prepare_chunk(
             continue
         try:
             line = orjson.loads(row.line_json)
-            prepared = serving.prepare(str(row.id), line["url"], line["body"], engine)
+            prepared = engine_io.prepare(str(row.id), line["url"], line["body"], engine)
         except LineError as exc:
             chunk.failed.append(results.failed(row, exc, at))
             continue

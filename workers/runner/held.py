@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from storage.repositories.requests import ClaimedRequest
 from workers.engine.base import Engine, EngineFault
-from workers.serving import LineError, Prepared
+from workers.engine_io import LineError, Prepared
 
 #: A line claimed this many times is a suspect: it was inside an engine (or a worker) that died
 #: at least once. Suspects run one at a time beside clean lines, so a line that kills the engine

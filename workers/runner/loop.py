@@ -14,7 +14,7 @@ the hysteresis gate, refreshes the batches' slack (``workers.scheduler.slack``, 
   go back to pending and, with ``abort_on_yield``, so do running sequences. Urgent batches
   (slack below their margin) are exempt: they are claimed, admitted and kept whatever the load;
   a hard pause stops them too.
-- **Write-back** every ``flush_seconds`` (``workers.runner.writeback``): results, the engine
+- **Write-back** every ``flush_seconds`` (``workers.runner.write_back``): results, the engine
   time they took, a lease heartbeat, and the batches' statuses, which stop the lines of
   cancelled or expired batches. A database outage only delays it.
 - **Faults**: an engine that fails raises ``EngineFault`` after every held line went back to
@@ -43,29 +43,23 @@ from storage.repositories.requests import ClaimedRequest
 from workers import lifecycle, worker_metrics
 from workers.engine.base import Engine, EngineFault
 from workers.engine.release import startup_seconds
+from workers.engine_io import LineError
 from workers.planner import StepModel
 from workers.runner import results
 from workers.runner.admission import PreparedChunk, prepare_chunk
 from workers.runner.claim_ahead import ClaimAhead
 from workers.runner.held import HeldLine, HeldLines
-from workers.runner.writeback import ResultWriter
+from workers.runner.write_back import ResultWriter
 from workers.scheduler import scheduler_metrics as metrics
 from workers.scheduler.chunking import claim_size, engine_room, size_for
 from workers.scheduler.clock import Clock, WallClock
 from workers.scheduler.hysteresis import Gate
-from workers.scheduler.lane import (
-    LaneController,
-    LaneDecision,
-    PrometheusServer,
-    ServerMetrics,
-    metrics_url,
-    victims,
-)
+from workers.scheduler.lane import LaneController, LaneDecision, victims
+from workers.scheduler.lane_scraper import PrometheusServer, ServerMetrics, metrics_url
 from workers.scheduler.lease_heartbeat import LeaseHeartbeat
 from workers.scheduler.signals import BackgroundMonitor, LoadMonitor, build_signals
 from workers.scheduler.slack import Estimate, calibrated, refresh_estimates
 from workers.scheduler.store import DbStore, WorkStore
-from workers.serving import LineError
 
 log = logging.getLogger(__name__)
 
@@ -332,7 +326,7 @@ class Runner:
                     or self.clock.monotonic() - self._last_flush >= self.settings.flush_seconds
                 ):
                     # On the wall clock the periodic write-back overlaps the next steps
-                    # (``workers.runner.writeback``); one past the backlog bound first waits
+                    # (``workers.runner.write_back``); one past the backlog bound first waits
                     # for room among the writes in flight (past the bytes bound, for all of
                     # them), then overlaps them too (the loop waiting for its own write as
                     # well kept the claims and steps idle meanwhile).

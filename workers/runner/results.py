@@ -4,7 +4,7 @@ finalize renders as the output or error line; this module adds the line's token 
 
 An answered line is first an ``Answered``: the engine's result and the line's token counts,
 whose record is built (``Answered.line``) when it is written back, on the write-back thread for
-the periodic write (``workers.runner.writeback``) rather than between two engine steps: the
+the periodic write (``workers.runner.write_back``) rather than between two engine steps: the
 record and its JSON cost ≈ 30 µs a line, a tenth of a GPU step for each step's 256 answers.
 """
 
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from offpeak.endpoints import records
 from offpeak.statuses import LineStatus
 from storage.repositories.requests import ClaimedRequest, FinishedLine, TokenCounts
-from workers import serving
+from workers import engine_io
 from workers.engine.base import EngineResult
-from workers.serving import LineError, Prepared
+from workers.engine_io import LineError, Prepared
 
 
 def succeeded(
@@ -41,7 +41,7 @@ def _succeeded(
         status=LineStatus.SUCCEEDED,
         finished_at=at,
         status_code=200,
-        result=serving.answer_record(prepared, result, created),
+        result=engine_io.answer_record(prepared, result, created),
         tokens=tokens,
     )
 

@@ -11,9 +11,9 @@ requests was at the server, *the server's tokens* are what its Prometheus counte
 (``vllm:prompt_tokens_total``, ``vllm:prompt_tokens_cached_total``,
 ``vllm:generation_tokens_total``) grew by in those seconds, for everyone, and *our tokens* are
 those of the lines written back in the period; both weighed as the ledger weighs them
-(``offpeak.pricing.TokenWeights``: ``prefill × (prompt − cached) + cached × cached + decode ×
+(``offpeak.billing.TokenWeights``: ``prefill × (prompt − cached) + cached × cached + decode ×
 completion``). The ledger then splits each period's seconds over its batches by the same weights
-(``storage.repositories.ledger``), so a batch is charged wall seconds × its weighted tokens ÷ all
+(``storage.repositories.billing``), so a batch is charged wall seconds × its weighted tokens ÷ all
 the server processed, and the batches' shares add up to the period's seconds as before.
 
 Our tokens count when a line finishes, the server's as it computes them: a period in which many
@@ -29,21 +29,22 @@ import logging
 from collections.abc import Mapping
 from typing import Protocol
 
-from offpeak.pricing import TokenWeights
+from offpeak.billing import TokenWeights
 from storage.repositories.engine_chunks import BatchTokens
-from workers.engine.remote import ServerTokens, ServerUsage
+from workers.engine.remote_meter import ServerUsage
+from workers.vllm_metrics import ServerTokens
 
 log = logging.getLogger(__name__)
 
 
 class UsageMeter(Protocol):
-    """What the share reads: ``workers.engine.remote.ServerMeter``."""
+    """What the share reads: ``workers.engine.remote_meter.ServerMeter``."""
 
     def usage(self) -> ServerUsage: ...
 
 
 def weighted_tokens(prompt: float, cached: float, completion: float, w: TokenWeights) -> float:
-    """The ledger's weight of these tokens (``storage.repositories.ledger``)."""
+    """The ledger's weight of these tokens (``storage.repositories.billing``)."""
     return (prompt - cached) * w.prefill + cached * w.cached + completion * w.decode
 
 

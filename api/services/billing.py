@@ -12,14 +12,13 @@ from typing import Any, Literal
 from sqlalchemy.orm import Session
 
 from api.errors import BadRequest
-from api.schemas import UsageBucket, UsageReport
-from offpeak import pricing
-from offpeak.pricing import Bill
+from api.schemas.usage import UsageBucket, UsageReport
+from offpeak.billing import MONEY_DIGITS, Bill, bill, cost_per_million_tokens, token_weights
 from offpeak.settings import Settings
 from storage.db import Executor
 from storage.models import Batch, LedgerEntry
-from storage.repositories import ledger as ledger_repo
-from storage.repositories.ledger import UsageRow
+from storage.repositories import billing as billing_repo
+from storage.repositories.billing import UsageRow
 
 #: ``GET /v1/usage`` without ``start`` covers this many seconds before ``end``.
 DEFAULT_SPAN_SECONDS = 30 * 86_400
@@ -42,16 +41,16 @@ def _live(
 ) -> Bill:
     """A live estimate at today's prices: engine seconds attributed so far and the (input,
     cached, output) tokens so far."""
-    return pricing.bill(settings, model, seconds, *tokens)
+    return bill(settings, model, seconds, *tokens)
 
 
 def bills(session: Session, settings: Settings, batches: Sequence[Batch]) -> dict[str, Bill]:
     """``batch_id → Bill`` for these batches in two queries: the ledger's frozen figures for
     billed batches, a live estimate at today's prices for the rest (running, or ended and not
     billed yet)."""
-    entries = ledger_repo.entries_for(session, [b.id for b in batches])
+    entries = billing_repo.entries_for(session, [b.id for b in batches])
     live = [b.id for b in batches if b.id not in entries]
-    seconds = ledger_repo.attributed_seconds(session, live, pricing.token_weights(settings))
+    seconds = billing_repo.attributed_seconds(session, live, token_weights(settings))
     return {
         b.id: _from_entry(entries[b.id])
         if b.id in entries
@@ -72,7 +71,7 @@ def bills_of_rows(
     (``ledger.with_bills``): no query when every one is billed, one (the engine time attributed
     so far) for the others."""
     live = [row["id"] for row in rows if row["billed_at"] is None]
-    seconds = ledger_repo.attributed_seconds(db, live, pricing.token_weights(settings))
+    seconds = billing_repo.attributed_seconds(db, live, token_weights(settings))
     out: dict[str, Bill] = {}
     for row in rows:
         out[row["id"]] = (
@@ -116,10 +115,8 @@ def _bucket(row: UsageRow) -> UsageBucket:
         cost=cost,
         price=price,
         realtime_price=listed,
-        saving=round(listed - price, pricing.MONEY_DIGITS),
-        cost_per_million_tokens=pricing.cost_per_million_tokens(
-            cost, row.input_tokens + row.output_tokens
-        ),
+        saving=round(listed - price, MONEY_DIGITS),
+        cost_per_million_tokens=cost_per_million_tokens(cost, row.input_tokens + row.output_tokens),
     )
 
 
@@ -140,8 +137,8 @@ def report(
     start = end - DEFAULT_SPAN_SECONDS if start is None else start
     if start >= end:
         raise BadRequest("start must be before end (unix seconds).", param="start")
-    rows = ledger_repo.usage(session, tenant_id, start, end, group_by)
-    totals = ledger_repo.usage(session, tenant_id, start, end, None)
+    rows = billing_repo.usage(session, tenant_id, start, end, group_by)
+    totals = billing_repo.usage(session, tenant_id, start, end, None)
     nothing = UsageRow(None, None, 0, 0, 0, 0, 0, 0.0, Decimal(0), Decimal(0), Decimal(0))
     total = _bucket(totals[0] if totals else nothing)
     return UsageReport(

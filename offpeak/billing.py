@@ -8,7 +8,7 @@ tokens would cost at the real-time list price. Pure arithmetic on settings, used
 - price billed = real-time price × (1 − batch discount); saving = real-time price − price billed
 - cost per million tokens = cost / (input + output tokens) × 1e6
 - engine seconds are attributed to batches by weighted tokens (``TokenWeights``; the rule is in
-  ``storage.repositories.ledger``)
+  ``storage.repositories.billing``)
 """
 
 from __future__ import annotations

@@ -1,32 +1,22 @@
 """Write-back: the runner's finished lines go to the store with the engine time they took.
 
 Results wait here until a write-back stores them in one transaction with the engine chunk
-(busy seconds split by token counts, ``storage.repositories.engine_chunks``) and a lease renewal. A
-database outage only delays them: they stay here for the next try. Lines handed back to pending
-go through ``release``.
+(``storage.repositories.engine_chunks``) and a lease renewal; a database outage only delays
+them. Lines handed back to pending go through ``release``.
 
-The runner's periodic write-back runs in the **background** (``write(background=True)``, up to
-``MAX_IN_FLIGHT`` writes at a time on threads of their own), overlapping the engine's next
-steps instead of stalling them: at GPU step rates (10–40 ms) a 50–300 ms round trip every
-second cost a fifth of the engine's tokens (issue 14, ``offpeak bench overhead``). Their
-reports (batch statuses, lines taken over) are applied at the next write-backs, oldest first;
-their lines stay in ``pending`` (still this worker's: renewed, never handed back) until the loop
-thread sees them stored. Every other write (a yield, a stop, a fault, the end of a drain) first
-waits for those in flight. The records of answered lines are built by the write itself
-(``results.Answered``), so in the background on the writers' threads too.
+The periodic write-back runs in the background (``write(background=True)``, at most
+``MAX_IN_FLIGHT`` on threads of their own) so the engine keeps stepping through a database
+round trip (``offpeak bench overhead``). Their reports (batch statuses, lines taken over) are
+applied at later write-backs, oldest first; their lines stay in ``pending``, renewed and never
+handed back, until the loop thread sees them stored. Every other write (a yield, a stop, a
+fault, the end of a drain) first waits for those in flight. Two in flight, because an engine
+that answers faster than one write stores would otherwise wait on it (``offpeak bench
+control``); two writes of one batch serialize on its row, and a deadlock between them is an
+outage like any other (``TRANSIENT_DB_ERRORS``).
 
-Two writes in flight, not one: when the engine answers faster than one write stores (the
-instant engine, embeddings), a write's time is mostly waits (its round trip, the server's
-``UPDATE``, the ``COMMIT``), and one writer left the loop waiting on it for 60% of a 50,000-line
-run (``offpeak bench control``, ``docs/benchmarks.md``). Each line is in one write only; two
-writes touch the same batch row (its counters), so the second waits for the first's
-``COMMIT`` there, and a deadlock between two writes of several batches is an outage like any
-other (``TRANSIENT_DB_ERRORS``: the lines stay for the next write).
-
-Leases are renewed by a write-back only once ``RENEW_FRACTION`` of the lease has passed since
-the last renewal (the heartbeat renews between them), not every second: renewing 500 held
-lines took a third of each write-back. That write is made on the loop thread, so lines another
-worker took over are stopped as soon as it finds them (within ``RENEW_FRACTION`` of a lease).
+Leases are renewed only once ``RENEW_FRACTION`` of the lease has passed (the heartbeat renews
+between), as renewing every held line is a write-back's costliest statement; a renewing write
+runs on the loop thread, so lines another worker took over stop as soon as it finds them.
 """
 
 from __future__ import annotations
@@ -38,7 +28,7 @@ from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from offpeak.pricing import token_weights
+from offpeak.billing import token_weights
 from offpeak.settings import Settings
 from offpeak.statuses import LineStatus
 from storage.errors import TRANSIENT_DB_ERRORS
@@ -176,7 +166,7 @@ class ResultWriter:
         if not self.pending and not batch_ids:
             return earlier
         # Nothing held, nothing to renew: such a write may go to the background (an engine that
-        # empties every step holds nothing at its write-backs, which all ran here before).
+        # empties every step holds nothing at its write-backs).
         renew = bool(held_ids) and (
             at - self._renewed_at >= RENEW_FRACTION * self.settings.lease_seconds
         )

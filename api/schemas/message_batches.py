@@ -31,14 +31,6 @@ def rfc3339(unix_seconds: int | float | None) -> str | None:
     return datetime.fromtimestamp(unix_seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def ended_at(batch: Batch) -> int | None:
-    """When processing ended (any final status), else ``None``."""
-    for stamp in (batch.completed_at, batch.expired_at, batch.cancelled_at, batch.failed_at):
-        if stamp is not None:
-            return stamp
-    return None
-
-
 class MessageBatchRequestCounts(BaseModel):
     """Requests by outcome. As Anthropic's, they move from ``processing`` to the others only
     once processing of the whole batch has ended; they always add up to the batch's requests."""
@@ -66,7 +58,7 @@ class MessageBatch(BaseModel):
     @classmethod
     def of(cls, batch: Batch, counts: MessageBatchRequestCounts, base_url: str) -> MessageBatch:
         """``base_url``: the API's own root (``http://host:port``), for ``results_url``."""
-        ended = ended_at(batch)
+        ended = batch.ended_at
         return cls(
             id=batch.id,
             processing_status=PROCESSING_STATUS.get(batch.status, "ended"),

@@ -35,7 +35,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from offpeak.pricing import TokenWeights
+from offpeak.billing import TokenWeights
 from offpeak.statuses import BatchStatus
 from storage.db import Executor
 from storage.models import Batch, EngineChunk, EngineChunkBatch, LedgerEntry

@@ -5,7 +5,7 @@ validation), so the event exists exactly when the status does: no HTTP call ther
 lost when a worker dies after the commit. ``deliver_due`` (the ``deliver_webhooks`` task, sent
 after that commit and by the sweep while deliveries are due) leases due deliveries, commits,
 then posts each with httpx outside any transaction, and logs the attempt. A failed attempt is
-retried with exponential backoff (``offpeak.webhooks.retry_delay``) until
+retried with exponential backoff (``offpeak.webhook_protocol.retry_delay``) until
 ``webhook_retry_hours`` after the event; delivery is at least once (a worker killed between the
 POST and the log sends again once the lease runs out), and ``webhook-id`` lets the receiver drop
 duplicates.
@@ -20,7 +20,7 @@ from functools import partial
 
 from sqlalchemy.orm import Session
 
-from offpeak import webhooks
+from offpeak import webhook_protocol
 from offpeak.endpoints import BATCH_ENDPOINTS
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings
@@ -42,7 +42,7 @@ def record_final(session: Session, settings: Settings, batch: Batch) -> None:
     endpoint of the tenant subscribed to it, in the caller's transaction (the one that sets the
     status), and send the delivery task once it commits. A batch that already has the event
     (finalize running again) gets no second one: ``dedupe_key`` is unique."""
-    event_type = webhooks.EVENT_OF_STATUS.get(batch.status)  # type: ignore[call-overload]
+    event_type = webhook_protocol.EVENT_OF_STATUS.get(batch.status)  # type: ignore[call-overload]
     if event_type is None or batch.endpoint not in BATCH_ENDPOINTS:
         # OpenAI's events name /v1/batches objects; a Message Batch (Anthropic's surface, which
         # has no webhooks) would send an id that /v1/batches answers with a 404.
@@ -57,7 +57,7 @@ def record_final(session: Session, settings: Settings, batch: Batch) -> None:
         event_id=event_id,
         event_type=event_type,
         object_id=batch.id,
-        body=webhooks.event_body(event_id, event_type, created, batch.id),
+        body=webhook_protocol.event_body(event_id, event_type, created, batch.id),
         created_at=created,
         dedupe_key=f"{event_type}:{batch.id}",
         endpoint_ids=endpoint_ids,
@@ -69,19 +69,21 @@ def record_final(session: Session, settings: Settings, batch: Batch) -> None:
         after_commit(session, send, f"sending deliver_webhooks for {event_id}")
 
 
-def attempt(settings: Settings, due: webhooks_repo.DueDelivery) -> webhooks.Attempt:
+def attempt(settings: Settings, due: webhooks_repo.DueDelivery) -> webhook_protocol.Attempt:
     """One signed POST of a leased delivery, after checking its target again (a name may
     resolve to a private address by now): a refused target is a failed attempt."""
     try:
-        webhooks.check_target(
+        webhook_protocol.check_target(
             due.url,
             allow_http=settings.webhook_allow_http,
             allow_private=settings.webhook_allow_private_targets,
         )
-    except webhooks.TargetRefused as refused:
-        return webhooks.Attempt(None, 0.0, f"target refused: {refused}")
-    headers = webhooks.signed_headers(due.event_id, due.body, due.signing_secrets, time.time())
-    return webhooks.post(due.url, due.body, headers, settings.webhook_timeout_seconds)
+    except webhook_protocol.TargetRefused as refused:
+        return webhook_protocol.Attempt(None, 0.0, f"target refused: {refused}")
+    headers = webhook_protocol.signed_headers(
+        due.event_id, due.body, due.signing_secrets, time.time()
+    )
+    return webhook_protocol.post(due.url, due.body, headers, settings.webhook_timeout_seconds)
 
 
 def deliver_due(settings: Settings, *, max_rounds: int = 50) -> int:
@@ -110,7 +112,7 @@ def deliver_due(settings: Settings, *, max_rounds: int = 50) -> int:
             at = time.time()
             next_at: float | None = None
             if not result.delivered:
-                delay = webhooks.retry_delay(
+                delay = webhook_protocol.retry_delay(
                     due.attempt,
                     settings.webhook_retry_base_seconds,
                     settings.webhook_retry_max_seconds,

@@ -1,8 +1,8 @@
-"""Webhooks as OpenAI sends them: the event body, its Standard Webhooks signature, the check that
-a target is a public HTTPS address, one delivery attempt over httpx, and the retry schedule.
+"""The protocol of one webhook, as OpenAI sends them: the event body, its Standard Webhooks
+signature, the check that a target is a public HTTPS address, one attempt over httpx, and the
+retry schedule. No storage: the outbox and its retries are ``workers.webhook_delivery``.
 
-Used by the API (endpoint management, the test event) and by the workers (the outbox delivery);
-neither side's storage is touched here.
+Used by the API (endpoint management, the test event) and by the workers (the delivery).
 
 Sources: OpenAI's webhook events (``{id, object: "event", type, created_at, data: {id}}``,
 https://platform.openai.com/docs/guides/webhooks) and the Standard Webhooks specification

@@ -2,7 +2,7 @@
 
 A bill prices the batch's finished lines only (expired and cancelled batches included): the
 tokens are the batch's ``usage``, which counts succeeded lines; the engine seconds are the chunk
-seconds attributed to it (``storage.repositories.ledger``); prices come from ``offpeak.pricing``
+seconds attributed to it (``storage.repositories.billing``); prices come from ``offpeak.billing``
 and are frozen in the entry. The entry's key is ``batch:<id>`` and unique, so finalize run twice,
 a retried task and the sweep racing each other insert one row between them. ``finalize`` bills
 right after the batch's final status commits; ``bill_unbilled`` (every sweep) bills any ended
@@ -15,13 +15,13 @@ import logging
 import time
 from decimal import Decimal
 
-from offpeak import pricing
+from offpeak.billing import MONEY_DIGITS, bill, token_weights
 from offpeak.settings import Settings, window_seconds
 from offpeak.statuses import BatchStatus
 from storage.db import session_scope
 from storage.models import Batch
 from storage.repositories import batches as batches_repo
-from storage.repositories import ledger as ledger_repo
+from storage.repositories import billing as billing_repo
 from workers import worker_metrics as metrics
 
 log = logging.getLogger(__name__)
@@ -31,11 +31,12 @@ log = logging.getLogger(__name__)
 LOOKBACK_SECONDS = 35 * 86_400
 
 
-def ended_at(batch: Batch) -> int:
-    """The unix second the batch reached its final status."""
-    for stamp in (batch.completed_at, batch.expired_at, batch.cancelled_at, batch.failed_at):
-        if stamp is not None:
-            return stamp
+def ledger_ended_at(batch: Batch) -> int:
+    """The ledger's ``ended_at`` (never null) of a final batch: ``Batch.ended_at``, or for a
+    final row without its status's stamp, when it began finalizing or else was created."""
+    ended = batch.ended_at
+    if ended is not None:
+        return ended
     return batch.finalizing_at or batch.created_at
 
 
@@ -47,7 +48,7 @@ def _window(batch: Batch) -> int:
 
 
 def _money(amount: float) -> Decimal:
-    return Decimal(str(round(amount, pricing.MONEY_DIGITS)))
+    return Decimal(str(round(amount, MONEY_DIGITS)))
 
 
 def bill_batch(settings: Settings, batch_id: str) -> bool:
@@ -60,12 +61,12 @@ def bill_batch(settings: Settings, batch_id: str) -> bool:
         batch = batches_repo.get_any(session, batch_id)
         if batch is None or batch.status not in BatchStatus.FINAL:
             return False
-        if ledger_repo.entries_for(session, [batch_id]):
+        if billing_repo.entries_for(session, [batch_id]):
             return False
-        weights = pricing.token_weights(settings)
-        seconds = ledger_repo.attributed_seconds(session, [batch_id], weights).get(batch_id, {})
-        billed_at = time.time()
-        figures = pricing.bill(
+        weights = token_weights(settings)
+        seconds = billing_repo.attributed_seconds(session, [batch_id], weights).get(batch_id, {})
+        billed_at, ended = time.time(), ledger_ended_at(batch)
+        figures = bill(
             settings,
             batch.model,
             seconds,
@@ -74,16 +75,16 @@ def bill_batch(settings: Settings, batch_id: str) -> bool:
             batch.output_tokens,
             billed_at=billed_at,
         )
-        inserted = ledger_repo.insert_once(
+        inserted = billing_repo.insert_once(
             session,
             {
-                "key": ledger_repo.batch_key(batch.id),
+                "key": billing_repo.batch_key(batch.id),
                 "tenant_id": batch.tenant_id,
                 "batch_id": batch.id,
                 "model": batch.model,
                 "status": batch.status,
                 "created_at": batch.created_at,
-                "ended_at": ended_at(batch),
+                "ended_at": ended,
                 "window_seconds": _window(batch),
                 "billed_at": billed_at,
                 "requests": batch.completed,
@@ -96,7 +97,7 @@ def bill_batch(settings: Settings, batch_id: str) -> bool:
                 "realtime_price": _money(figures.realtime_price),
             },
         )
-        share = (ended_at(batch) - batch.created_at) / _window(batch) if _window(batch) else None
+        share = (ended - batch.created_at) / _window(batch) if _window(batch) else None
         status = batch.status
     if inserted:
         metrics.observe_billed(status, share if status == BatchStatus.COMPLETED else None)
@@ -128,5 +129,5 @@ def bill_unbilled(settings: Settings, limit: int = 500) -> int:
     billed; a batch that fails again is logged and left for the next sweep."""
     since = int(time.time()) - LOOKBACK_SECONDS
     with session_scope(settings.resolved_database_url) as session:
-        pending = ledger_repo.unbilled_ended(session, since, limit)
+        pending = billing_repo.unbilled_ended(session, since, limit)
     return sum(bill_safely(settings, batch_id) for batch_id in pending)

@@ -2,10 +2,10 @@
 and waits of the once-per-key sending (``storage.task_messages`` sends, with its records in the
 database).
 
-The API only sends tasks by name (it never imports ``workers``); workers register the task
-functions on the same app. Settings follow Celery's guidance for long GPU jobs
-(docs.celeryq.dev, "Optimizing" and "Tasks"): late acknowledgement, prefetch of one, and a
-redelivery when a worker dies mid-task.
+The API only sends tasks by name (it never imports ``workers``); the workers' app, this one
+with the task functions registered, is ``workers.celery_worker``. Settings follow Celery's
+guidance for long GPU jobs (docs.celeryq.dev, "Optimizing" and "Tasks"): late acknowledgement,
+prefetch of one, and a redelivery when a worker dies mid-task.
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from offpeak import webhooks
+from offpeak import webhook_protocol
 from storage.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent
 
 EventType = Literal["batch.completed", "batch.failed", "batch.expired", "batch.cancelled"]
-assert set(EventType.__args__) == set(webhooks.EVENT_TYPES)  # type: ignore[attr-defined]
+assert set(EventType.__args__) == set(webhook_protocol.EVENT_TYPES)  # type: ignore[attr-defined]
 
 
 class CreateWebhookEndpoint(BaseModel):
@@ -63,7 +63,7 @@ class WebhookEndpointObject(BaseModel):
             event_types=list(endpoint.event_types),
             created_at=endpoint.created_at,
             updated_at=endpoint.updated_at,
-            signing_secret_hint=webhooks.secret_hint(endpoint.secret),
+            signing_secret_hint=webhook_protocol.secret_hint(endpoint.secret),
         )
 
 

@@ -1,6 +1,7 @@
-"""The runner's side of the endpoint registry (``offpeak.endpoints``): a request line's body
-becomes an engine request for a loaded engine, and an engine result becomes the record stored
-for the line (``offpeak.endpoints.records.Answer``), which finalize renders as the output line.
+"""The runner's engine I/O, through the endpoint registry (``offpeak.endpoints``): a request
+line's body becomes an engine request for a loaded engine, and an engine result becomes the
+record stored for the line (``offpeak.endpoints.records.Answer``), which finalize renders as the
+output line.
 
 Which checks a body gets and how its answer is worded belong to its endpoint's module; this
 module only ties them to the engine's own types (``workers.engine.base``).

@@ -1,5 +1,6 @@
-"""The Celery app workers run (``celery -A workers.celery_app worker``), tasks registered, and how
-a worker process stops (``install_stop_handling``, called by ``offpeak worker``)."""
+"""The Celery worker: the shared app (``offpeak.celery_app``) with the tasks registered
+(``celery -A workers.celery_worker worker``), and how a worker process stops
+(``install_stop_handling``, called by ``offpeak worker``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
-from offpeak.queues import make_celery
+from offpeak.celery_app import make_celery
 from offpeak.settings import get_settings
 
 app = make_celery(get_settings())

@@ -1,4 +1,5 @@
-"""Wire types of the HTTP API (OpenAI's File and Batch objects), built from storage rows."""
+"""Wire types of ``/v1/batches``: OpenAI's Batch object with Offpeak's money and schedule
+fields, built from storage rows."""
 
 from __future__ import annotations
 
@@ -6,90 +7,12 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import inspect
 
+from api.schemas.common import column_values
 from offpeak import endpoints
-from offpeak.pricing import Bill
+from offpeak.billing import Bill
 from offpeak.statuses import BatchStatus
-from storage.models import Base, Batch, File
-
-
-def column_values(row: Base) -> dict[str, Any]:
-    """An ORM object's column values by attribute name, as a row of the same columns gives them
-    (``Row._asdict()``)."""
-    return {attr.key: getattr(row, attr.key) for attr in inspect(type(row)).column_attrs}
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    """Every error answer: OpenAI's ``{"error": {message, type, param, code}}``."""
-
-    error: ErrorDetail
-
-
-class FileObject(BaseModel):
-    id: str
-    object: Literal["file"] = "file"
-    bytes: int
-    created_at: int
-    expires_at: int | None
-    filename: str
-    purpose: str
-    status: str
-    status_details: str | None = None
-
-    @classmethod
-    def of(cls, file: File) -> FileObject:
-        return cls.model_validate(file_json(column_values(file)))
-
-
-def file_json(file: Mapping[str, Any]) -> dict[str, Any]:
-    """``FileObject`` as JSON-ready values, in its fields' order, from a file's column values
-    by attribute name (a row's ``_asdict()``, or ``column_values`` of a ``File``): what the
-    reads users poll send as they are (``api.responses.WireJSON``), without building the model.
-    ``FileObject.of`` validates the same dict, so the two agree (``tests/test_wire_json.py``)."""
-    return {
-        "id": file["id"],
-        "object": "file",
-        "bytes": file["bytes"],
-        "created_at": file["created_at"],
-        "expires_at": file["expires_at"],
-        "filename": file["filename"],
-        "purpose": file["purpose"],
-        "status": file["status"],
-        "status_details": None,
-    }
-
-
-def list_json(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
-    """A page of objects (``BatchList``, ``FileList``) as JSON-ready values."""
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
-
-
-class FileList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[FileObject]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool
-
-
-class FileDeleted(BaseModel):
-    id: str
-    object: Literal["file"] = "file"
-    deleted: bool = True
+from storage.models import Batch
 
 
 class BatchErrorEntry(BaseModel):
@@ -166,7 +89,7 @@ class BatchObject(BaseModel):
     metadata: dict[str, str] | None
     # Offpeak's additions (extra fields, which the openai SDK keeps), in US dollars: engine
     # seconds attributed to the batch, our cost, the price billed, the real-time list price of
-    # the same tokens and the saving. Live estimates until ``billed_at`` is set (offpeak.pricing).
+    # the same tokens and the saving. Live estimates until ``billed_at`` is set (offpeak.billing).
     gpu_seconds: float | None = None
     cost: float | None = None
     price: float | None = None
@@ -301,54 +224,6 @@ class CreateBatch(BaseModel):
     output_expires_after: dict[str, Any] | None = None
 
 
-class ModelObject(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "offpeak"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelObject] = Field(default_factory=list)
-
-
-class UsageBucket(BaseModel):
-    """Billed usage of one group: a model, a UTC day (``day`` as YYYY-MM-DD, ``start_time`` its
-    first unix second), or everything. Amounts in US dollars."""
-
-    object: Literal["usage.bucket"] = "usage.bucket"
-    model: str | None = None
-    day: str | None = None
-    start_time: int | None = None
-    batches: int
-    requests: int
-    input_tokens: int
-    cached_tokens: int
-    output_tokens: int
-    total_tokens: int
-    gpu_seconds: float
-    cost: float
-    price: float
-    realtime_price: float
-    saving: float
-    #: ``cost`` per million ``total_tokens`` (``offpeak.pricing.cost_per_million_tokens``, the
-    #: dashboard's rule); ``None`` without tokens.
-    cost_per_million_tokens: float | None = None
-
-
-class UsageReport(BaseModel):
-    """``GET /v1/usage``: the tenant's billed batches that ended in ``[start, end)``."""
-
-    object: Literal["list"] = "list"
-    start: int
-    end: int
-    group_by: str | None
-    currency: Literal["usd"] = "usd"
-    data: list[UsageBucket]
-    total: UsageBucket
-
-
 def _schedule_fields(batch: Mapping[str, Any]) -> dict[str, Any]:
     """``slack_seconds`` and ``estimated_completion_at`` of an ``in_progress`` batch that the
     scheduler has estimated (``storage.models.Batch.estimated_completion_at``); ``None``
@@ -360,64 +235,3 @@ def _schedule_fields(batch: Mapping[str, Any]) -> dict[str, Any]:
         "slack_seconds": float(round(batch["expires_at"] - eta, 1)),
         "estimated_completion_at": int(eta),
     }
-
-
-# --- Admin: the scheduler's switch and view (``/v1/admin/scheduler``) --------------------------
-
-
-class PauseRequest(BaseModel):
-    """``pool``: a worker pool's name (``OFFPEAK_SCHEDULER__POOL``) or ``*`` for every pool."""
-
-    # Strict: ``"hard": 0`` or ``"hard": "yes"`` is a 400, not a quiet guess.
-    model_config = ConfigDict(strict=True)
-
-    pool: str = "*"
-    #: Also stop urgent batches (their windows may then be missed).
-    hard: bool = False
-    reason: str | None = None
-
-
-class ResumeRequest(BaseModel):
-    model_config = ConfigDict(strict=True)
-
-    pool: str = "*"
-
-
-class PauseSwitch(BaseModel):
-    object: Literal["scheduler.pause"] = "scheduler.pause"
-    pool: str
-    paused: bool
-    hard: bool
-    reason: str | None
-    #: Unix seconds.
-    updated_at: float | None
-
-
-class PoolLoad(BaseModel):
-    """A worker pool's last load reading (``load`` on the water-mark scale; ``None``: unread)."""
-
-    pool: str
-    load: float | None
-    gate_open: bool | None
-    paused: bool
-    parts: dict[str, float | None]
-    errors: dict[str, str]
-    worker: str | None
-    updated_at: float
-
-
-class BatchSchedule(BaseModel):
-    id: str
-    model: str | None
-    expires_at: int
-    estimated_completion_at: int | None
-    slack_seconds: float | None
-    #: Lines not finished yet.
-    remaining: int
-
-
-class SchedulerView(BaseModel):
-    object: Literal["scheduler"] = "scheduler"
-    switches: list[PauseSwitch]
-    pools: list[PoolLoad]
-    batches: list[BatchSchedule]

@@ -6,10 +6,6 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-# The one error body of the API (a second model of the same name would appear twice, under
-# module-qualified names, in the OpenAPI document).
-from api.schemas import ErrorDetail, ErrorResponse  # noqa: F401  (re-exported)
-
 
 class WorkerHealth(BaseModel):
     """A worker whose heartbeat is fresh (at most ``worker_alive_seconds`` old)."""
