@@ -400,6 +400,10 @@ class Settings(BaseSettings):
     # Limits: OpenAI's (https://platform.openai.com/docs/guides/batch, "Rate limits").
     max_file_bytes: int = 200 * 1024 * 1024
     max_requests_per_batch: int = 50_000
+    #: Bytes of one request line at most; a longer line fails validation (``line_too_long``)
+    #: before it is parsed or tokenized. OpenAI states no per-line cap; its embeddings allow
+    #: 300,000 tokens a request, about 1.2 MB of text.
+    max_line_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     #: Validation stops listing problems after this many ``errors.data`` entries.
     max_validation_errors: int = 100
     allowed_completion_windows: list[str] = Field(default_factory=lambda: ["24h"])
