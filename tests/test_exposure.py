@@ -327,3 +327,13 @@ def test_past_the_concurrency_cap_requests_are_a_503(api: str, settings: Setting
             break
         time.sleep(0.2)
     assert answer.status_code == 200
+
+
+def test_the_dashboard_carries_security_headers(http: TestClient) -> None:
+    for path in ("/dashboard", "/dashboard/static/dashboard.js"):
+        response = http.get(path)
+        assert response.status_code == 200
+        policy = response.headers["content-security-policy"]
+        assert "frame-ancestors 'none'" in policy and "script-src 'self'" in policy
+        assert response.headers["x-content-type-options"] == "nosniff"
+        assert response.headers["referrer-policy"] == "no-referrer"
