@@ -195,6 +195,23 @@ class KeyGateMiddleware:
             raise Refused(401, WRONG_ADMIN_KEY, "invalid_api_key")
 
 
+def is_operator(headers: Headers, settings: Settings) -> bool:
+    """Whether ``Authorization: Bearer`` holds the metrics token or the admin key (neither is
+    accepted while unset): what ``/metrics`` needs, and what ``/healthz`` answers in full."""
+    given = (_bearer(headers) or "").encode()
+    return any(
+        hmac.compare_digest(given, expected.encode())
+        for expected in (settings.metrics_token, settings.admin_api_key)
+        if expected
+    )
+
+
+def presented_key(headers: Headers) -> str | None:
+    """The tenant key a request carries (``x-api-key`` or ``Authorization: Bearer``), if any."""
+    x_api_key = headers.get("x-api-key")
+    return x_api_key.strip() if x_api_key else _bearer(headers)
+
+
 async def _answer(send: Send, path: str, refused: Refused) -> None:
     if anthropic_messages.on_surface(path):
         body = orjson.dumps(anthropic_messages.error_body(refused.status, refused.message))

@@ -508,6 +508,9 @@ class Settings(BaseSettings):
     decode_token_weight: float = 1.0
 
     # Metrics (``/metrics`` on the API; each worker's own server) and the dashboard.
+    #: The bearer token ``/metrics`` on the API takes (besides the admin key) and with which
+    #: ``/healthz`` answers in full. Unset with no admin key: ``/metrics`` refuses every call.
+    metrics_token: str | None = None
     #: Port of a worker's own Prometheus endpoint; 0 turns it off.
     metrics_port: int = 0
     #: Seconds over which tokens/s and the engine busy fraction are averaged.

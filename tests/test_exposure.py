@@ -337,3 +337,24 @@ def test_the_dashboard_carries_security_headers(http: TestClient) -> None:
         assert "frame-ancestors 'none'" in policy and "script-src 'self'" in policy
         assert response.headers["x-content-type-options"] == "nosniff"
         assert response.headers["referrer-policy"] == "no-referrer"
+
+
+def test_metrics_and_health_detail_need_an_operators_key(settings: Settings) -> None:
+    operator = settings.model_copy(update={"metrics_token": "scrape-me"})
+    tenant_key = new_key(settings)
+    with TestClient(create_app(operator)) as client:
+        assert client.get("/metrics").status_code == 401
+        tenant = {"Authorization": f"Bearer {tenant_key}"}
+        assert client.get("/metrics", headers=tenant).status_code == 401
+        scraped = client.get("/metrics", headers={"Authorization": "Bearer scrape-me"})
+        assert scraped.status_code == 200 and "offpeak_" in scraped.text
+
+        anonymous = client.get("/healthz").json()
+        assert set(anonymous) == {"status", "checked_at"}
+        full = client.get("/healthz", headers={"Authorization": "Bearer scrape-me"}).json()
+        assert {"workers", "models", "problems", "version"} <= set(full)
+        seen = client.get("/healthz", headers=tenant).json()
+        assert {"workers", "models", "problems"} <= set(seen)
+        for worker in seen["workers"]:
+            assert worker["hostname"] is None and ":" not in worker["id"]
+        assert "hostname" not in str(anonymous)
