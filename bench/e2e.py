@@ -39,7 +39,7 @@ from typing import Any
 import orjson
 import psycopg
 
-from bench import harness
+from bench import children, harness
 from bench.generator import ASSISTANT_SYSTEM_PROMPT, chat_requests, write_jsonl
 from offpeak.settings import DEFAULT_MODEL, ModelConfig, Settings
 
@@ -101,12 +101,12 @@ def _child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
-def _run(command: list[str], **kwargs: Any) -> None:
+def _run(command: list[str], name: str | None = None, **kwargs: Any) -> None:
     """Run a child to the end; raises ``RuntimeError`` with the end of its output if it fails."""
     done = subprocess.run(command, capture_output=True, text=True, **kwargs)
     if done.returncode:
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
-        raise RuntimeError(f"{command[2]} exited with {done.returncode}:\n{tail}")
+        raise RuntimeError(f"{name or command[2]} exited with {done.returncode}:\n{tail}")
 
 
 def _tokens(leg: dict[str, Any]) -> dict[str, Any]:
@@ -153,7 +153,9 @@ def leg_run_batch(input_path: Path, model_dir: Path, kwargs: dict[str, Any]) -> 
     ]  # fmt: skip
     load = harness.load_average()
     started = time.perf_counter()
-    _run(command, cwd=input_path.parent)
+    # Through bench.children: its engine-core ends with it, and it with this benchmark.
+    owned = children.module_command(*command[2:])
+    _run(owned, cwd=input_path.parent, env=_child_env(), name=command[2])
     seconds = time.perf_counter() - started
     lines = [orjson.loads(raw) for raw in out.read_bytes().splitlines() if raw.strip()]
     bodies = {line["custom_id"]: line["response"]["body"] for line in lines if line["response"]}

@@ -9,7 +9,6 @@ import json
 import os
 import platform
 import secrets
-import socket
 import tempfile
 import threading
 import time
@@ -29,6 +28,7 @@ from psycopg.conninfo import conninfo_to_dict
 from rich.console import Console
 from rich.table import Table
 
+from bench.servers import free_port
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.statuses import BatchStatus
 
@@ -143,12 +143,6 @@ class RssSampler:
         return self.peak - self.baseline
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Service:
     """A running scratch Offpeak and an OpenAI client for it."""
@@ -195,7 +189,7 @@ def scratch_service(
         "OFFPEAK_LOCAL_API_KEY": key,
         **(env or {}),
     }
-    stack = ServiceProcesses(full_env, _free_port(), keep_logs or tmp / "logs", roles=roles)
+    stack = ServiceProcesses(full_env, free_port(), keep_logs or tmp / "logs", roles=roles)
     try:
         stack.start()
         stack.wait_http()

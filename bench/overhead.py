@@ -37,7 +37,7 @@ from typing import Any
 import orjson
 
 from bench import harness
-from workers.engine.base import Completion, EngineRequest, EngineResult
+from workers.engine.base import Completion, EngineCapabilities, EngineRequest, EngineResult
 
 MODEL = "bench-model"
 TARGET_RATIO = 0.97
@@ -67,8 +67,9 @@ class SteppedEngine:
         self.cost = cost
         self.model_name = model_name
         self.max_model_len = max_model_len
-        #: Read by ``workers.scheduler.chunking.engine_room``.
         self.max_num_seqs = cost.max_num_seqs
+        self.capabilities = EngineCapabilities(max_num_seqs=cost.max_num_seqs)
+        self.server_meter = None
         self._waiting: deque[EngineRequest] = deque()
         #: request id → [request, tokens still to generate]
         self._running: dict[str, list[Any]] = {}

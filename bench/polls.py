@@ -213,7 +213,7 @@ def measured(fn: Callable[[], dict[str, Any]], api_pid: int | None = None) -> di
 def hello_server(api_workers: int) -> Iterator[tuple[str, int]]:
     """``hello_app`` on uvicorn as ``offpeak serve`` runs the API (its options, ``api_workers``
     processes, 127.0.0.1); ``(base url, pid)``. Stopped on the way out."""
-    port = harness._free_port()
+    port = harness.free_port()
     access_log = "--access-log" if get_settings().api_access_log else "--no-access-log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "--factory", "bench.polls:hello_app",

@@ -61,6 +61,11 @@ def run(input_path: Path, model_dir: Path, engine: dict[str, Any]) -> dict[str, 
 
 
 def main() -> None:
+    from offpeak.process_tree import die_with_parent, spawned_children_die_with_this_process
+
+    # Its engine-core, and this process, end with the benchmark that started it.
+    die_with_parent()
+    spawned_children_die_with_this_process()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--input", type=Path, required=True)
     parser.add_argument("--model-dir", type=Path, required=True)

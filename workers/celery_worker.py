@@ -53,8 +53,9 @@ def install_stop_handling(role: str, stop_timeout: float) -> None:
     task that runs) and ``workers.lifecycle.request_stop`` tells the runner to write back what
     finished, hand its held lines back to pending and return; after ``stop_timeout`` seconds
     without exiting, ``force_exit``. Any later signal: ``force_exit`` at once. When the worker
-    shuts down, its engines are closed (vLLM's engine-core process exits). A control worker runs
-    beat in a thread (``workers.beat``), started when the worker is ready.
+    shuts down, its engines are closed in parallel and every process they started ends, by the
+    stop deadline (``workers.shutdown``). A control worker runs beat in a thread
+    (``workers.beat``), started when the worker is ready.
     """
     from workers import lifecycle
 
@@ -78,9 +79,9 @@ def install_stop_handling(role: str, stop_timeout: float) -> None:
 
     @worker_shutdown.connect(weak=False)
     def _close_engines(**_kwargs: Any) -> None:
-        from workers.engine import registry
+        from workers import shutdown
 
-        registry.close_all()
+        shutdown.stop_engines(lifecycle.stop_deadline())
 
     if role == "control":
         from workers.beat import BeatThread

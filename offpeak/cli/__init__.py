@@ -188,14 +188,14 @@ def worker(
     from workers.runner import worker_id as this_worker
 
     worker_metrics.start_server(settings, role, this_worker())  # OFFPEAK_METRICS_PORT; 0 = off
+    from workers import lifecycle, shutdown
     from workers.celery_worker import install_stop_handling
-    from workers.engine import registry as engines
 
     install_stop_handling(role, stop_timeout)
     try:
         worker_app.worker_main(argv)
     finally:
-        engines.close_all()  # if Celery ended without its worker_shutdown signal
+        shutdown.stop_engines(lifecycle.stop_deadline())  # if Celery ended without worker_shutdown
         process_tree.kill_children(timeout=5)
 
 

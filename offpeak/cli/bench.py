@@ -18,6 +18,15 @@ bench_app = typer.Typer(
     help="Benchmarks: ratios measured side by side in one run.", no_args_is_help=True
 )
 
+
+@bench_app.callback()
+def _own_children(ctx: typer.Context) -> None:
+    """Every child process of a benchmark, vLLM's under it too, ends with it."""
+    from bench.children import own_children
+
+    ctx.call_on_close(own_children())
+
+
 OutDir = Annotated[
     Path | None, typer.Option("--out", help="Folder for the JSON result (default bench/results).")
 ]

@@ -16,15 +16,18 @@ from offpeak.endpoints.base import PoolingSpec, SamplingSpec, StructuredOutput
 __all__ = [
     "Completion",
     "Engine",
+    "EngineCapabilities",
     "EngineFault",
     "EngineRequest",
     "EngineResult",
     "PoolingSpec",
     "RequestRefused",
     "SamplingSpec",
+    "SleepableEngine",
     "StructuredOutput",
     "TokenLogprob",
     "TopLogprob",
+    "UsageMeter",
 ]
 
 
@@ -108,12 +111,57 @@ class EngineFault(RuntimeError):
         self.blameless = blameless
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do and hold, declared by the engine (the runner never probes for it).
+
+    The room (``max_num_seqs``, the KV cache) sizes the runner's chunks
+    (``workers.scheduler.chunking.engine_room``); ``None`` is unknown: the model's configured
+    ``max_num_seqs`` then stands in, and without a KV cache size sizing is by sequences alone.
+    """
+
+    #: ``sleep`` / ``wake_up`` free and refill the device memory (``SleepableEngine``, vLLM's
+    #: sleep mode); otherwise releasing the engine closes it and loads it again.
+    can_sleep: bool = False
+    #: Prompt blocks seen before are served from a cache (``EngineResult.cached_tokens``).
+    prefix_caching: bool = False
+    #: ``step`` collects finished requests from elsewhere (a remote server) rather than running
+    #: one decode step, so the runner counts finished tokens, not one per running sequence.
+    step_is_poll: bool = False
+    #: Serves embeddings lines (``EngineRequest.pooling``) only.
+    pooling: bool = False
+    #: Sequences it runs at once.
+    max_num_seqs: int | None = None
+    #: KV cache: tokens it holds, bytes per token, tokens per block.
+    kv_cache_tokens: int | None = None
+    kv_bytes_per_token: int | None = None
+    block_size: int | None = None
+
+
+class UsageMeter(Protocol):
+    """A shared server's usage (``workers.engine.remote.ServerMeter``: busy seconds and the
+    server's token counts), by which the write-back prices our share of its time."""
+
+    def usage(self) -> Any: ...
+
+
 class Engine(Protocol):
     """One loaded model. Not thread-safe: one runner drives it."""
 
     model_name: str
     #: Context window in tokens (prompt + completion).
     max_model_len: int
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """What it can do and hold (fixed once the engine is loaded)."""
+        ...
+
+    @property
+    def server_meter(self) -> UsageMeter | None:
+        """The meter of a server shared with others (a remote engine); ``None`` for an engine of
+        our own, whose time is the seconds spent stepping it."""
+        ...
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of ``messages`` rendered with the model's chat template, with the
@@ -144,4 +192,17 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Free the engine's memory and processes."""
+        ...
+
+
+class SleepableEngine(Engine, Protocol):
+    """An engine with ``capabilities.can_sleep``."""
+
+    def sleep(self) -> None:
+        """Free the device memory (weights to host memory, the KV cache discarded). Raises
+        ``RuntimeError`` with a request in flight."""
+        ...
+
+    def wake_up(self) -> None:
+        """Back from ``sleep``: weights on the device again, an empty KV cache."""
         ...

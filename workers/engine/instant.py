@@ -5,13 +5,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.engine.base import Completion, EngineRequest, EngineResult, TokenLogprob
+from workers.engine.base import (
+    Completion,
+    EngineCapabilities,
+    EngineRequest,
+    EngineResult,
+    TokenLogprob,
+    UsageMeter,
+)
 
 ANSWER = "OK"
 
 
 class InstantEngine:
     """Implements ``workers.engine.base.Engine``; every request finishes in the next step."""
+
+    #: Its room is the model's configured ``max_num_seqs``.
+    capabilities = EngineCapabilities()
+    server_meter: UsageMeter | None = None
 
     def __init__(self, model_name: str, max_model_len: int = 2048) -> None:
         self.model_name = model_name

@@ -16,7 +16,7 @@ _load_seconds: dict[str, float] = {}
 
 
 def load(settings: Settings, name: str) -> Engine:
-    """The loaded engine for ``name``, building it on first use (vLLM: about 25 s on this CPU).
+    """The loaded engine for ``name``, building it on first use (vLLM: tens of seconds).
 
     Raises ``KeyError`` for a model that is not configured.
     """
@@ -43,7 +43,7 @@ def load(settings: Settings, name: str) -> Engine:
         from workers.engine.vllm_pooling import VllmPoolingEngine
         from workers.model_store import ensure_model
 
-        # An embedding model: small (all-MiniLM-L6-v2, 90 MB) and quick to load, never released.
+        # An embedding model: small and quick to load, never released.
         path = ensure_model(name, config, settings.model_cache_dir)
         engine = VllmPoolingEngine.load(name, config, path)
     else:
@@ -89,7 +89,12 @@ def loaded() -> dict[str, Engine]:
     return dict(_engines)
 
 
-def close_all() -> None:
-    for engine in _engines.values():
-        engine.close()
+def close_all(until: float | None = None) -> list[str]:
+    """Close every loaded engine at once (``workers.shutdown.close_engines``), waiting for the
+    closes until ``until`` (``time.monotonic()``; ``None``: until all return); the names whose
+    close had not returned by then."""
+    from workers.shutdown import close_engines
+
+    engines = dict(_engines)
     _engines.clear()
+    return close_engines(engines, until)

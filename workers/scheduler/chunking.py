@@ -1,30 +1,24 @@
 """Chunking: how much to claim, how many sequences the engine runs, and the order a chunk
 joins it in.
 
-The engine's room is its sequence limit (``max_num_seqs``) and its KV cache. How many sequences
-of *these* requests fit is ``workers.planner.choose_engine_limits`` (issue 5's planner: paged
-KV cache, each request counted at ``prompt + max_tokens`` so none is preempted). The runner keeps
-``slots`` sequences running and about as many waiting in its own queue, and claims the
-difference: large chunks while the engine runs, so it never waits for a claim round trip.
+The engine's room is its sequence limit (``max_num_seqs``) and its KV cache, as the engine
+declares them. How many sequences of *these* requests fit is
+``workers.planner.choose_engine_limits`` (paged KV cache, each request counted at
+``prompt + max_tokens`` so none is preempted). The runner keeps ``slots`` sequences running
+and about as many waiting in its own queue, and claims the difference: large chunks while the
+engine runs, so it never waits for a claim round trip.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from offpeak.settings import GPU_MAX_NUM_SEQS, ModelConfig
-from workers.planner import (
-    DEFAULT_BLOCK_SIZE,
-    choose_engine_limits,
-    dtype_bytes,
-    kv_bytes_per_token,
-)
-
-log = logging.getLogger(__name__)
+from workers.engine.base import Engine
+from workers.planner import DEFAULT_BLOCK_SIZE, choose_engine_limits
 
 T = TypeVar("T")
 
@@ -44,43 +38,19 @@ class EngineRoom:
     block_size: int = DEFAULT_BLOCK_SIZE
 
 
-def engine_room(engine: Any, config: ModelConfig | None) -> EngineRoom:
-    """The room of a loaded engine.
-
-    An engine may say it itself (attributes ``max_num_seqs``, ``kv_cache_tokens``,
-    ``kv_bytes_per_token``, ``block_size``: the simulation's does). For the vLLM adapter the
-    numbers come from the loaded ``LLMEngine``'s config (blocks the engine core allocated, the
-    model's layers × KV heads × head size × dtype). Anything unknown is left out: the room is
-    then ``max_num_seqs`` alone.
-    """
-    max_num_seqs = int(
-        getattr(engine, "max_num_seqs", 0)
-        or (config.max_num_seqs_on(on_cpu=False) if config else GPU_MAX_NUM_SEQS)
+def engine_room(engine: Engine, config: ModelConfig | None) -> EngineRoom:
+    """The room ``engine`` declares (``Engine.capabilities``); an unknown ``max_num_seqs`` is
+    the model's configured one for a GPU, and an unknown KV cache leaves the room at
+    ``max_num_seqs`` alone."""
+    caps = engine.capabilities
+    max_num_seqs = caps.max_num_seqs or (
+        config.max_num_seqs_on(on_cpu=False) if config else GPU_MAX_NUM_SEQS
     )
-    tokens = getattr(engine, "kv_cache_tokens", None)
-    per_token = getattr(engine, "kv_bytes_per_token", None)
-    block = int(getattr(engine, "block_size", 0) or DEFAULT_BLOCK_SIZE)
-    llm_engine = getattr(engine, "_llm_engine", None)
-    if tokens is None and llm_engine is not None:
-        try:
-            vllm_config = llm_engine.vllm_config
-            cache = vllm_config.cache_config
-            block = int(cache.block_size)
-            if cache.num_gpu_blocks:
-                tokens = int(cache.num_gpu_blocks) * block
-            max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
-            model_config = llm_engine.model_config
-            per_token = kv_bytes_per_token(
-                model_config.hf_config.to_dict(),
-                dtype_bytes(str(model_config.dtype)),
-            )
-        except Exception as exc:  # another vLLM release: fall back to max_num_seqs alone
-            log.warning("cannot read the engine's KV cache size (%s); sizing by max_num_seqs", exc)
     return EngineRoom(
-        max_num_seqs=max(1, max_num_seqs),
-        kv_cache_tokens=int(tokens) if tokens else None,
-        kv_bytes_per_token=int(per_token) if per_token else None,
-        block_size=block,
+        max_num_seqs=max(1, int(max_num_seqs)),
+        kv_cache_tokens=int(caps.kv_cache_tokens) if caps.kv_cache_tokens else None,
+        kv_bytes_per_token=int(caps.kv_bytes_per_token) if caps.kv_bytes_per_token else None,
+        block_size=int(caps.block_size or DEFAULT_BLOCK_SIZE),
     )
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from offpeak.settings import LaneSettings, ModelConfig, SchedulerSettings, Settings
-from workers.engine.base import Completion, EngineRequest, EngineResult
+from workers.engine.base import Completion, EngineCapabilities, EngineRequest, EngineResult
 from workers.planner import StepModel, largest_batch
 from workers.scheduler.clock import VirtualClock
 from workers.scheduler.lane import bound_tokens_per_s, realtime_capacity
@@ -104,6 +104,8 @@ class SimServer:
         self.model_name = MODEL
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.capabilities = EngineCapabilities(max_num_seqs=max_num_seqs, block_size=16)
+        self.server_meter = None
         self.clock, self.step_model = clock, step_model
         self.origin = clock.time()
         # Absolute clock times: ``origin + a - origin`` need not round back to ``a``.

@@ -9,7 +9,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from workers.engine.base import Completion, EngineRequest, EngineResult
+from workers.engine.base import (
+    Completion,
+    EngineCapabilities,
+    EngineRequest,
+    EngineResult,
+    UsageMeter,
+)
 from workers.planner import StepModel
 from workers.scheduler.clock import VirtualClock
 
@@ -27,7 +33,7 @@ class SimEngine:
     seen before count as cached tokens (prefix caching, with no eviction)."""
 
     block_size = 16
-    kv_bytes_per_token = SEED_KV_BYTES_PER_TOKEN
+    server_meter: UsageMeter | None = None
 
     def __init__(
         self,
@@ -41,7 +47,13 @@ class SimEngine:
         self.model_name = MODEL
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
-        self.kv_cache_tokens = kv_cache_tokens
+        self.capabilities = EngineCapabilities(
+            prefix_caching=True,
+            max_num_seqs=max_num_seqs,
+            kv_cache_tokens=kv_cache_tokens,
+            kv_bytes_per_token=SEED_KV_BYTES_PER_TOKEN,
+            block_size=self.block_size,
+        )
         self.clock, self.step_model, self.on_step = clock, step_model, on_step
         self.steps = 0
         self._waiting: deque[EngineRequest] = deque()

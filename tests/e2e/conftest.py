@@ -1,0 +1,92 @@
+"""The end-to-end tier's engines: the live stack (API, control worker and engine worker on the
+real SmolLM2 model and all-MiniLM-L6-v2) for the whole session, and the test process's own
+in-process SmolLM2 engine (``smollm2``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from offpeak.cli.supervisor import ServiceProcesses
+from offpeak.settings import Settings
+from tests.conftest import LIVE_MODULES
+from tests.support.database import fresh_database, new_key, settings_from
+from tests.support.servers import free_port
+from tests.support.smollm2 import close_smollm2_engine, smollm2_engine
+
+#: The live stack's ``scheduler.release_after_seconds``.
+LIVE_RELEASE_AFTER_SECONDS = 3
+
+
+@pytest.fixture(scope="session", autouse=True)
+def closes_the_inprocess_engine() -> Iterator[None]:
+    """The in-process SmolLM2 engine (``tests/support/smollm2.py``) ends with the session at
+    the latest, its engine-core process with it."""
+    yield
+    close_smollm2_engine()
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Any:
+    """The test process's in-process SmolLM2 ``VllmEngine``, loaded on first use; the modules
+    that use it share it (one xdist group), and the last of them closes it."""
+    return smollm2_engine()
+
+
+@pytest.fixture(scope="session")
+def live_env(base_env: dict[str, str], run_id: str) -> Iterator[dict[str, str]]:
+    """The live stack's environment: its own database, so its sweep never acts on the
+    in-process tests' batches (with its own settings and prices). Its engine is released 3 s
+    after its gate closes (``tests/e2e/test_release.py``; nothing else closes it: its load
+    signal is ``idle`` and only that test pauses its pool)."""
+    with fresh_database(f"offpeak_{run_id}_live") as url:
+        yield {
+            **base_env,
+            "OFFPEAK_DATABASE_URL": url,
+            "OFFPEAK_SCHEDULER__RELEASE_AFTER_SECONDS": str(LIVE_RELEASE_AFTER_SECONDS),
+        }
+
+
+@pytest.fixture(scope="session")
+def live_settings(live_env: dict[str, str]) -> Settings:
+    return settings_from(live_env)
+
+
+@pytest.fixture(scope="session")
+def live(
+    live_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProcesses]:
+    """API, control worker and engine worker on the real SmolLM2 model, for the whole session."""
+    stack = ServiceProcesses(live_env, free_port(), tmp_path_factory.mktemp("live-logs"))
+    stack.start()
+    try:
+        stack.wait_http()
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(autouse=True)
+def live_starts_first(request: pytest.FixtureRequest) -> None:
+    """The live stack starts with the first test of a module on it this process runs, used or
+    not (``live`` itself waits only for the API; its engine worker loads SmolLM2 and
+    all-MiniLM-L6-v2 while the tests before the first one on the engine run). A process that
+    runs none of those modules (the other xdist worker) never starts it. A stack that fails to
+    start fails the tests that use it, with its error (pytest keeps a session fixture's error),
+    and no other test."""
+    session = request.session
+    if not hasattr(session, "offpeak_live_used"):
+        session.offpeak_live_used = any("live" in i.fixturenames for i in session.items)  # type: ignore[attr-defined]
+    modules = request.config.stash.get(LIVE_MODULES, frozenset())
+    if session.offpeak_live_used and request.node.nodeid.split("::", 1)[0] in modules:  # type: ignore[attr-defined]
+        with contextlib.suppress(Exception):
+            request.getfixturevalue("live")
+
+
+@pytest.fixture()
+def live_sdk(live: ServiceProcesses, live_settings: Settings) -> OpenAI:
+    return OpenAI(base_url=f"{live.base_url}/v1", api_key=new_key(live_settings), max_retries=2)

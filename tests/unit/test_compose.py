@@ -1,0 +1,65 @@
+"""docker-compose.yml cannot run here (no Docker engine); check it against the code instead."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.main import get_command
+
+from offpeak.cli import app
+from offpeak.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+OFFPEAK_SERVICES = ["migrate", "api", "control", "engine", "embeddings"]
+
+
+def test_services_present() -> None:
+    assert {"postgres", "redis", *OFFPEAK_SERVICES} <= set(COMPOSE["services"])
+
+
+@pytest.mark.parametrize("name", OFFPEAK_SERVICES)
+def test_command_is_a_real_offpeak_command(name: str) -> None:
+    command = COMPOSE["services"][name]["command"]
+    cli = get_command(app)
+    ctx = cli.make_context("offpeak", list(command), resilient_parsing=False)
+    sub = cli.get_command(ctx, command[0])  # type: ignore[attr-defined]
+    assert sub is not None, f"{command[0]} is not an offpeak command"
+    sub.make_context(command[0], list(command[1:]))  # raises on an unknown option
+
+
+@pytest.mark.parametrize("name", OFFPEAK_SERVICES)
+def test_environment_is_settings(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = COMPOSE["services"][name]["environment"]
+    fields = {f"OFFPEAK_{field.upper()}" for field in Settings.model_fields}
+    unknown = [key for key in env if key not in fields]
+    assert not unknown, f"{name} sets variables no setting reads: {unknown}"
+    for key, value in env.items():
+        monkeypatch.setenv(key, str(value))
+    settings = Settings()
+    assert settings.resolved_database_url.startswith("postgresql+psycopg://")
+    assert settings.resolved_broker_url.startswith("redis://redis:")
+    for model in settings.models.values():
+        # A folder on the host, or a model packaged in the image (the embedding model).
+        assert (model.path and model.path.startswith("/models/")) or model.source
+
+
+@pytest.mark.parametrize("name", ["engine", "embeddings"])
+def test_engine_worker_reserves_a_gpu_and_serves_a_configured_model(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = COMPOSE["services"][name]
+    devices = engine["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    served = engine["command"][engine["command"].index("--models") + 1].split(",")
+    for key, value in engine["environment"].items():
+        monkeypatch.setenv(key, str(value))
+    assert set(served) <= set(Settings().models)
+
+
+def test_api_port_published() -> None:
+    api = COMPOSE["services"]["api"]
+    port = api["command"][api["command"].index("--port") + 1]
+    assert any(p.endswith(f":{port}") for p in api["ports"])
