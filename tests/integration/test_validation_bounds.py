@@ -9,7 +9,7 @@ import tracemalloc
 import pytest
 
 from offpeak.settings import ModelConfig, Settings
-from tests.helpers import line, validate
+from tests.support.batches import line, validate
 from workers.validation import BLANK_LINE_ALLOWANCE, iter_lines
 
 MODEL = "validation-model"

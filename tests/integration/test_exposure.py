@@ -22,8 +22,8 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from offpeak.settings import Settings
-from tests.conftest import new_key
-from tests.services import free_port
+from tests.support.database import new_key
+from tests.support.servers import free_port
 
 MIB = 1 << 20
 #: What an anonymous attack may add to the API's resident memory.
