@@ -35,6 +35,21 @@ RETRY_AFTER_SECONDS = 5
 DATABASE_UNAVAILABLE = "The database is unavailable right now; retry in a few seconds."
 
 
+def log_unavailable(method: str, path: str, exc: Exception) -> None:
+    """One warning line for a request answered 503 because the database is unavailable: no
+    traceback, since the cause is outside this process and the stack would be the same for every
+    request refused while it lasts (``/readyz`` says the same)."""
+    cause = getattr(exc, "orig", None) or exc
+    text = str(cause).strip()
+    log.warning(
+        "database unavailable: %s %s answered 503 (%s: %s)",
+        method,
+        path,
+        type(cause).__name__,
+        text.splitlines()[0] if text else "",
+    )
+
+
 class ApiError(Exception):
     status_code = 400
     type = "invalid_request_error"
@@ -247,16 +262,7 @@ def install_error_handlers(app: FastAPI) -> None:
         # these classes is our bug, raised on to the 500 and its traceback.
         if not is_unavailable(exc):
             raise exc
-        # One line, no traceback: the cause is outside this process and the stack would be the
-        # same for every request refused while it lasts (``/readyz`` says the same).
-        cause = getattr(exc, "orig", None) or exc
-        log.warning(
-            "database unavailable: %s %s answered 503 (%s: %s)",
-            request.method,
-            request.url.path,
-            type(cause).__name__,
-            str(cause).strip().splitlines()[0] if str(cause).strip() else "",
-        )
+        log_unavailable(request.method, request.url.path, exc)
         body = error_object(
             DATABASE_UNAVAILABLE,
             type="server_error",

@@ -20,7 +20,7 @@ from starlette.datastructures import Headers
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.errors import DATABASE_UNAVAILABLE, RETRY_AFTER_SECONDS
+from api.errors import DATABASE_UNAVAILABLE, RETRY_AFTER_SECONDS, log_unavailable
 from api.services import keys
 from offpeak.endpoints import anthropic_messages
 from offpeak.settings import Settings
@@ -174,6 +174,7 @@ class KeyGateMiddleware:
             # The same 503 the app's handlers give (``api.errors``): a retry will do.
             if not is_unavailable(exc):
                 raise
+            log_unavailable(scope["method"], scope["path"], exc)
             raise Refused(
                 503,
                 DATABASE_UNAVAILABLE,
