@@ -10,6 +10,7 @@ from fastapi import FastAPI
 import migrations
 from api.deps import Reader
 from api.errors import install_error_handlers
+from api.gate import KeyGateMiddleware
 from api.limits import BodyLimitMiddleware
 from api.routes import (
     admin,
@@ -57,6 +58,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Added first, so it runs inside the body limit: it buffers only bodies under that limit.
     app.add_middleware(LoneSurrogateMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_file_bytes=settings.max_file_bytes)
+    # Outermost: no body is read, buffered or parsed before the key is checked.
+    app.add_middleware(KeyGateMiddleware, settings=settings)
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(webhooks.router)

@@ -18,8 +18,8 @@ from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from api import gate
 from api.errors import Unauthorized
-from api.services import keys
 from offpeak.settings import Settings
 from storage.blobs import BlobStore, get_blob_store
 from storage.db import read, session_scope
@@ -127,29 +127,20 @@ api_key_scheme = HTTPBearer(
 BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(api_key_scheme)]
 
 
-async def _tenant_for_key(reader: Reader, key: str) -> Tenant | None:
-    """From this process's key cache without leaving the event loop; on a miss, one read."""
-    return keys.cached_tenant(key) or await reader(keys.tenant_for_key, key)
-
-
-async def _bearer_tenant(
-    reader: Reader, credentials: HTTPAuthorizationCredentials | None
-) -> Tenant:
-    if credentials is None:
-        raise Unauthorized(
-            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'; "
-            "`offpeak keys create` makes one."
-        )
-    tenant = await _tenant_for_key(reader, credentials.credentials.strip())
+def _gated_tenant(request: Request) -> Tenant:
+    """The tenant ``api.gate.KeyGateMiddleware`` found for the request's key; 401 when the
+    request did not pass the gate (an app built without it fails closed)."""
+    tenant: Tenant | None = getattr(request.state, "tenant", None)
     if tenant is None:
-        raise Unauthorized("Incorrect API key provided.")
+        raise Unauthorized(gate.WRONG_KEY)
     return tenant
 
 
-async def get_tenant(request: Request, credentials: BearerDep) -> Tenant:
-    """The tenant whose key is in ``Authorization: Bearer <key>``; 401 otherwise. A copy that
-    belongs to no session (read its columns)."""
-    return await _bearer_tenant(request.app.state.reader, credentials)
+async def get_tenant(request: Request, _credentials: BearerDep) -> Tenant:
+    """The tenant whose key is in ``Authorization: Bearer <key>`` (checked by the gate before
+    the body was read; the parameter declares the security scheme). A copy that belongs to no
+    session (read its columns)."""
+    return _gated_tenant(request)
 
 
 CurrentTenant = Annotated[Tenant, Depends(get_tenant)]
@@ -167,17 +158,11 @@ XApiKeyDep = Annotated[str | None, Depends(x_api_key_scheme)]
 
 
 async def get_anthropic_tenant(
-    request: Request, x_api_key: XApiKeyDep, bearer: BearerDep
+    request: Request, _x_api_key: XApiKeyDep, _bearer: BearerDep
 ) -> Tenant:
     """The tenant whose key is in ``x-api-key`` (or, as the ``anthropic`` SDK sends an
-    ``auth_token``, ``Authorization: Bearer``); 401 in Anthropic's wording otherwise."""
-    key = x_api_key if x_api_key is not None else (bearer.credentials if bearer else None)
-    if key is None:
-        raise Unauthorized("x-api-key header is required")
-    tenant = await _tenant_for_key(request.app.state.reader, key.strip())
-    if tenant is None:
-        raise Unauthorized("invalid x-api-key")
-    return tenant
+    ``auth_token``, ``Authorization: Bearer``), checked by the gate in Anthropic's wording."""
+    return _gated_tenant(request)
 
 
 AnthropicTenant = Annotated[Tenant, Depends(get_anthropic_tenant)]
@@ -185,8 +170,8 @@ AnthropicTenant = Annotated[Tenant, Depends(get_anthropic_tenant)]
 
 @dataclass(frozen=True)
 class Poll:
-    """What a read users poll needs, from one dependency: the calling tenant (``get_tenant``'s
-    401s), the settings and the reader.
+    """What a read users poll needs, from one dependency: the calling tenant (the gate's), the
+    settings and the reader.
 
     One dependency where a poll route had four (reader, settings, tenant and, under them, the
     settings again): FastAPI solves each of a request's dependencies anew (its parameters,
@@ -197,9 +182,9 @@ class Poll:
     read: Reader
 
 
-async def get_poll(request: Request, credentials: BearerDep) -> Poll:
+async def get_poll(request: Request, _credentials: BearerDep) -> Poll:
     state = request.app.state
-    return Poll(await _bearer_tenant(state.reader, credentials), state.settings, state.reader)
+    return Poll(_gated_tenant(request), state.settings, state.reader)
 
 
 PollDep = Annotated[Poll, Depends(get_poll)]

@@ -32,6 +32,22 @@ log = logging.getLogger(__name__)
 #: 2.16's ``_base_client.py`` retries >= 500 too and waits the header's seconds): a poll loop
 #: rides through a restart of about ten seconds without seeing an error.
 RETRY_AFTER_SECONDS = 5
+DATABASE_UNAVAILABLE = "The database is unavailable right now; retry in a few seconds."
+
+
+def log_unavailable(method: str, path: str, exc: Exception) -> None:
+    """One warning line for a request answered 503 because the database is unavailable: no
+    traceback, since the cause is outside this process and the stack would be the same for every
+    request refused while it lasts (``/readyz`` says the same)."""
+    cause = getattr(exc, "orig", None) or exc
+    text = str(cause).strip()
+    log.warning(
+        "database unavailable: %s %s answered 503 (%s: %s)",
+        method,
+        path,
+        type(cause).__name__,
+        text.splitlines()[0] if text else "",
+    )
 
 
 class ApiError(Exception):
@@ -125,14 +141,26 @@ def _param_from_loc(loc: tuple[object, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-def _database_unavailable_response(path: str) -> dict[str, Any]:
-    """The OpenAPI response of a 503 (``database_unavailable``) on ``path``, in its surface's
-    error shape, with its ``Retry-After`` header."""
-    schema, description = "ErrorResponse", _STATUS_DESCRIPTIONS[503]
+_RETRY_LATER = {
+    503: (
+        _STATUS_DESCRIPTIONS[503],
+        "api_error: the database is unavailable right now; retry after the seconds in Retry-After.",
+    ),
+    429: (
+        "Too many incorrect API keys from this address (code rate_limit_exceeded); retry "
+        "after the seconds in Retry-After.",
+        "rate_limit_error: too many incorrect API keys from this address; retry after the "
+        "seconds in Retry-After.",
+    ),
+}
+
+
+def _retry_later_response(path: str, status: int) -> dict[str, Any]:
+    """The OpenAPI response of a 503 (``database_unavailable``) or a 429 (``api.gate``'s
+    wrong-key throttle) on ``path``, in its surface's error shape, with ``Retry-After``."""
+    schema, description = "ErrorResponse", _RETRY_LATER[status][0]
     if anthropic_messages.on_surface(path):
-        schema = "AnthropicErrorResponse"
-        description = "api_error: the database is unavailable right now; retry after the "
-        description += "seconds in Retry-After."
+        schema, description = "AnthropicErrorResponse", _RETRY_LATER[status][1]
     return {
         "description": description,
         "headers": {
@@ -150,7 +178,7 @@ def _document_errors_as_sent(app: FastAPI) -> None:
     ``HTTPValidationError`` body): the handlers below answer a bad parameter with a 400 in
     OpenAI's shape, and a 422 only for a JSON body that does not parse, which the routes that
     take one declare themselves (``error_responses(..., 422)``). Declare the 503 every ``/v1``
-    route answers while the database is unavailable."""
+    route answers while the database is unavailable, and the gate's 429 (``api.gate``)."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -162,7 +190,9 @@ def _document_errors_as_sent(app: FastAPI) -> None:
                     if "HTTPValidationError" in str(declared.get("content")):
                         del operation["responses"]["422"]
                     if path.startswith("/v1/"):
-                        operation["responses"]["503"] = _database_unavailable_response(path)
+                        operation["responses"]["503"] = _retry_later_response(path, 503)
+                    if path.startswith("/v1/") and not path.startswith("/v1/admin/"):
+                        operation["responses"]["429"] = _retry_later_response(path, 429)
             schemas = document.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(name, None)
@@ -232,18 +262,9 @@ def install_error_handlers(app: FastAPI) -> None:
         # these classes is our bug, raised on to the 500 and its traceback.
         if not is_unavailable(exc):
             raise exc
-        # One line, no traceback: the cause is outside this process and the stack would be the
-        # same for every request refused while it lasts (``/readyz`` says the same).
-        cause = getattr(exc, "orig", None) or exc
-        log.warning(
-            "database unavailable: %s %s answered 503 (%s: %s)",
-            request.method,
-            request.url.path,
-            type(cause).__name__,
-            str(cause).strip().splitlines()[0] if str(cause).strip() else "",
-        )
+        log_unavailable(request.method, request.url.path, exc)
         body = error_object(
-            "The database is unavailable right now; retry in a few seconds.",
+            DATABASE_UNAVAILABLE,
             type="server_error",
             code="database_unavailable",
         )

@@ -18,27 +18,35 @@ MESSAGE_BATCH_BODY_LIMIT = 256 << 20
 
 
 class BodyLimitMiddleware:
-    """413 in OpenAI's error shape for a body over its limit: from ``Content-Length`` when the
-    client sends one, else by counting bytes as they arrive."""
+    """413 in OpenAI's (or Anthropic's) error shape for a body over its limit, whatever the
+    method: from ``Content-Length`` when the client sends one, else by counting bytes as they
+    arrive."""
 
     def __init__(self, app: ASGIApp, max_file_bytes: int) -> None:
         self.app = app
         self.max_file_bytes = max_file_bytes
 
-    def _limit(self, path: str) -> int:
-        if path.rstrip("/") == "/v1/files":
+    def _limit(self, scope: Scope) -> int:
+        """The body limit of a request: uploads and Message Batch creates are the only large
+        bodies; every other method and route takes a small JSON object at most."""
+        path = scope["path"].rstrip("/")
+        if scope["method"] == "POST" and path == "/v1/files":
             return self.max_file_bytes + MULTIPART_SLACK
-        if path.rstrip("/") == "/v1/messages/batches":
+        if scope["method"] == "POST" and path == "/v1/messages/batches":
             return MESSAGE_BATCH_BODY_LIMIT
         return JSON_BODY_LIMIT
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self._limit(scope["path"])
         headers = dict(scope["headers"])
         length = headers.get(b"content-length", b"")
+        if length in (b"", b"0") and b"transfer-encoding" not in headers:
+            # No body framed (a poll): nothing to count, whatever the method.
+            await self.app(scope, receive, send)
+            return
+        limit = self._limit(scope)
         if length.isdigit() and int(length) > limit:
             await self._refuse(send, limit, scope["path"])
             return

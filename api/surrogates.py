@@ -13,11 +13,17 @@ import json
 from email.message import Message as MimeMessage
 from typing import Any
 
+import anyio.to_thread
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from offpeak.endpoints import anthropic_messages
 from offpeak.wire import error_object
+
+#: Bodies above this size are parsed on a worker thread rather than on the event loop.
+PARSE_ON_LOOP_BYTES = 64 * 1024
+#: ``lone_surrogate_path``'s answer for a body nested deeper than the parser's recursion limit.
+TOO_DEEP = "\x00too-deep"
 
 #: A lone surrogate can only come from a ``\u`` escape or from the UTF-8-style bytes of one
 #: (``ED A0..BF xx``, which ``json.loads`` accepts from bytes): without either, skip the parse.
@@ -43,9 +49,16 @@ class LoneSurrogateMiddleware:
             if message["type"] != "http.request" or not message.get("more_body", False):
                 break
         body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
-        param = lone_surrogate_path(body)
+        if len(body) > PARSE_ON_LOOP_BYTES:
+            # A large body's parse would stall every other request of the process meanwhile.
+            param = await anyio.to_thread.run_sync(lone_surrogate_path, body)
+        else:
+            param = lone_surrogate_path(body)
+        if param is TOO_DEEP:
+            await _refuse(send, _too_deep_message(), scope["path"], param=None)
+            return
         if param is not None:
-            await _refuse(send, param, scope["path"])
+            await _refuse(send, _surrogate_message(param), scope["path"], param=_shown(param))
             return
 
         async def replay() -> Message:
@@ -73,14 +86,17 @@ def _read_as_json(scope: Scope) -> bool:
 def lone_surrogate_path(body: bytes) -> str | None:
     """The dotted path (``"metadata.team"``, ``"items.0"``; ``""`` for the body itself) of the
     first string or key in the JSON ``body`` that holds a lone surrogate; ``None`` when there
-    is none or the body is not JSON (the app reports that)."""
+    is none or the body is not JSON (the app reports that); ``TOO_DEEP`` when the body nests
+    deeper than the parser's recursion limit (which would raise in the app too)."""
     if not any(marker in body for marker in _MARKERS):
         return None
     try:
         document = json.loads(body)  # as Starlette's Request.json() reads it
+        return _find(document, [])
     except ValueError:
         return None
-    return _find(document, [])
+    except RecursionError:
+        return TOO_DEEP
 
 
 def _find(value: Any, path: list[str]) -> str | None:
@@ -109,16 +125,27 @@ def _encodable(text: str) -> bool:
     return True
 
 
-async def _refuse(send: Send, param: str, path: str) -> None:
+def _shown(param: str) -> str | None:
     # The path may itself hold the surrogate (a key): spell it with escapes.
-    shown = param.encode("utf-8", "backslashreplace").decode() or None
-    message = (
+    return param.encode("utf-8", "backslashreplace").decode() or None
+
+
+def _surrogate_message(param: str) -> str:
+    shown = _shown(param)
+    return (
         f"Invalid value for '{shown}': " if shown else "Invalid request body: "
     ) + "the string holds a lone UTF-16 surrogate (U+D800 to U+DFFF), which is not valid Unicode."
+
+
+def _too_deep_message() -> str:
+    return "Invalid request body: the JSON is nested too deeply to be read."
+
+
+async def _refuse(send: Send, message: str, path: str, param: str | None) -> None:
     if anthropic_messages.on_surface(path):
         body = orjson.dumps(anthropic_messages.error_body(400, message))
     else:
-        body = orjson.dumps(error_object(message, param=shown, code="invalid_value"))
+        body = orjson.dumps(error_object(message, param=param, code="invalid_value"))
     await send(
         {
             "type": "http.response.start",

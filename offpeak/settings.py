@@ -392,10 +392,18 @@ class Settings(BaseSettings):
     #: The bearer key of the admin API (``/v1/admin/...``: pause, resume, scheduler state).
     #: Unset: the admin API refuses every call (``offpeak pause`` works on the database).
     admin_api_key: str | None = None
+    #: Wrong keys one client address may send per ``auth_failure_window_seconds`` before the
+    #: API answers its ``/v1`` requests 429 until the window ends (key guessing costs a lookup).
+    auth_failures_allowed: int = Field(default=20, ge=1)
+    auth_failure_window_seconds: float = Field(default=60.0, gt=0)
 
     # Limits: OpenAI's (https://platform.openai.com/docs/guides/batch, "Rate limits").
     max_file_bytes: int = 200 * 1024 * 1024
     max_requests_per_batch: int = 50_000
+    #: Bytes of one request line at most; a longer line fails validation (``line_too_long``)
+    #: before it is parsed or tokenized. OpenAI states no per-line cap; its embeddings allow
+    #: 300,000 tokens a request, about 1.2 MB of text.
+    max_line_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     #: Validation stops listing problems after this many ``errors.data`` entries.
     max_validation_errors: int = 100
     allowed_completion_windows: list[str] = Field(default_factory=lambda: ["24h"])
@@ -468,6 +476,18 @@ class Settings(BaseSettings):
     #: several percent of an API process's CPU (docs/benchmarks.md, "Status polls"); errors are
     #: logged either way.
     api_access_log: bool = False
+    # The listener's own bounds (``api/server.py``), so the API holds without a proxy in front.
+    #: Bytes of a request line and headers; more is answered 431 (nginx's largest default
+    #: buffers, 4 x 8 KiB).
+    api_max_header_bytes: int = Field(default=32 * 1024, ge=1024)
+    #: Seconds a request's headers may take from its first byte; then the connection closes.
+    api_header_timeout_seconds: float = Field(default=10.0, gt=0)
+    #: Seconds a request's body may pause between bytes; then the connection closes.
+    api_body_timeout_seconds: float = Field(default=30.0, gt=0)
+    #: Connections and requests in progress per API process; past it, requests are answered 503.
+    api_max_concurrency: int = Field(default=1000, ge=1)
+    #: Seconds an idle kept-alive connection stays open.
+    api_keep_alive_seconds: int = Field(default=5, ge=1)
 
     # Accounting (``workers.billing``): prices, and how engine time is split among batches.
     #: Real-time list prices and GPU costs per served model; a model absent here lists at 0.
@@ -488,6 +508,9 @@ class Settings(BaseSettings):
     decode_token_weight: float = 1.0
 
     # Metrics (``/metrics`` on the API; each worker's own server) and the dashboard.
+    #: The bearer token ``/metrics`` on the API takes (besides the admin key) and with which
+    #: ``/healthz`` answers in full. Unset with no admin key: ``/metrics`` refuses every call.
+    metrics_token: str | None = None
     #: Port of a worker's own Prometheus endpoint; 0 turns it off.
     metrics_port: int = 0
     #: Seconds over which tokens/s and the engine busy fraction are averaged.

@@ -1,6 +1,6 @@
 """The protocol of one webhook, as OpenAI sends them: the event body, its Standard Webhooks
-signature, the check that a target is a public HTTPS address, one attempt over httpx, and the
-retry schedule. No storage: the outbox and its retries are ``workers.webhook_delivery``.
+signature and the retry schedule. Where an attempt may go and how it is sent are
+``offpeak.webhook_target``; the outbox and its retries are ``workers.webhook_delivery``.
 
 Used by the API (endpoint management, the test event) and by the workers (the delivery).
 
@@ -15,16 +15,10 @@ secrets ``whsec_<base64>``), signed with the ``standardwebhooks`` library, so th
 from __future__ import annotations
 
 import base64
-import ipaddress
 import secrets
-import socket
-import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import UTC, datetime
-from urllib.parse import urlsplit
 
-import httpx
 import orjson
 from standardwebhooks.webhooks import Webhook
 
@@ -43,8 +37,6 @@ SECRET_PREFIX = "whsec_"
 #: Random bytes in a secret: 24 encode to 32 base64 characters without padding (what Svix and
 #: OpenAI issue; the openai SDK decodes the secret without adding padding).
 SECRET_BYTES = 24
-#: Characters of an answer's body kept in the delivery log, for the tenant to see why it failed.
-MAX_LOGGED_BODY = 500
 
 
 def new_secret() -> str:
@@ -86,101 +78,6 @@ def signed_headers(event_id: str, body: bytes, signing_secrets: Sequence[str], a
         "webhook-timestamp": str(int(at)),
         "webhook-signature": signatures,
     }
-
-
-class TargetRefused(ValueError):
-    """An endpoint URL this server will not call; the message says why."""
-
-
-Resolver = Callable[[str, int], Iterable[str]]
-
-
-def _resolve(host: str, port: int) -> list[str]:
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({str(info[4][0]) for info in infos})
-
-
-def _public(address: str) -> bool:
-    ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is loopback, whatever Python's version says
-    return ip.is_global and not ip.is_multicast
-
-
-def check_url(url: str, *, allow_http: bool, allow_private: bool) -> None:
-    """The scheme and form of an endpoint URL, without a network look-up (create, update).
-
-    Raises ``TargetRefused``: not ``https://`` (``http://`` too with ``allow_http``), no host,
-    credentials in the URL, or a literal private address without ``allow_private``.
-    """
-    parts = urlsplit(url)
-    schemes = ("https", "http") if allow_http else ("https",)
-    if parts.scheme not in schemes:
-        raise TargetRefused(f"The URL must start with {' or '.join(s + '://' for s in schemes)}.")
-    if not parts.hostname:
-        raise TargetRefused("The URL has no host.")
-    if parts.username or parts.password:
-        raise TargetRefused("The URL must not carry a user name or password.")
-    try:
-        literal = ipaddress.ip_address(parts.hostname)
-    except ValueError:
-        return
-    if not allow_private and not _public(str(literal)):
-        raise TargetRefused(f"{parts.hostname} is not a public address.")
-
-
-def check_target(
-    url: str, *, allow_http: bool, allow_private: bool, resolve: Resolver = _resolve
-) -> None:
-    """``check_url``, then resolve the host and refuse it when any of its addresses is private,
-    loopback, link-local, multicast or reserved (``ipaddress``'s ``is_global``), unless
-    ``allow_private``. Run before every attempt, since a name can resolve elsewhere later.
-
-    Raises ``TargetRefused`` (also when the host does not resolve).
-    """
-    check_url(url, allow_http=allow_http, allow_private=allow_private)
-    if allow_private:
-        return
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    try:
-        addresses = list(resolve(host, parts.port or (443 if parts.scheme == "https" else 80)))
-    except OSError as exc:
-        raise TargetRefused(f"{host} does not resolve ({exc}).") from None
-    refused = [a for a in addresses if not _public(a)]
-    if refused or not addresses:
-        raise TargetRefused(f"{host} resolves to a non-public address ({', '.join(refused)}).")
-
-
-@dataclass(frozen=True)
-class Attempt:
-    """One delivery attempt: the receiver's status code (``None`` when no answer came), the
-    seconds it took and, when it failed, why (``error``, a line of text)."""
-
-    status_code: int | None
-    latency_seconds: float
-    error: str | None = None
-
-    @property
-    def delivered(self) -> bool:
-        """A 2xx answer (Standard Webhooks: any other answer, redirects included, is a failure)."""
-        return self.status_code is not None and 200 <= self.status_code < 300
-
-
-def post(url: str, body: bytes, headers: dict, timeout: float) -> Attempt:
-    """POST ``body`` to ``url`` once, without following redirects; never raises for a network
-    failure (it is an ``Attempt`` with ``status_code=None``)."""
-    started = time.perf_counter()
-    try:
-        response = httpx.post(
-            url, content=body, headers=headers, timeout=timeout, follow_redirects=False
-        )
-    except httpx.HTTPError as exc:
-        return Attempt(None, time.perf_counter() - started, f"{type(exc).__name__}: {exc}"[:500])
-    latency = time.perf_counter() - started
-    if 200 <= response.status_code < 300:
-        return Attempt(response.status_code, latency)
-    return Attempt(response.status_code, latency, response.text[:MAX_LOGGED_BODY] or None)
 
 
 def retry_delay(attempts: int, base_seconds: float, max_seconds: float) -> float:

@@ -24,6 +24,7 @@ DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
 MISMATCHED_MODEL = "mismatched_model"
 EMPTY_FILE = "empty_file"
 TOO_MANY_REQUESTS = "too_many_requests"
+LINE_TOO_LONG = "line_too_long"
 #: ``error.code`` of a request line that never ran.
 BATCH_EXPIRED = "batch_expired"
 BATCH_CANCELLED = "batch_cancelled"

@@ -179,7 +179,7 @@ def estimate_file(settings: Settings, path: Path) -> tuple[dict[str, Any], int]:
                 yield piece
 
     for _number, raw in iter_lines(chunks()):
-        if not raw.strip():
+        if raw is None or not raw.strip():
             continue
         try:
             line = orjson.loads(raw)

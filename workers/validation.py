@@ -32,6 +32,8 @@ from workers import webhook_delivery
 log = logging.getLogger(__name__)
 
 _BOM = b"\xef\xbb\xbf"
+#: Lines beyond a batch's request limit that a file may hold (blank ones, say a trailing few).
+BLANK_LINE_ALLOWANCE = 1000
 
 
 @dataclass
@@ -44,23 +46,53 @@ class Outcome:
     errors: list[dict[str, Any]] = field(default_factory=list)
 
 
-def iter_lines(chunks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
+def iter_lines(
+    chunks: Iterator[bytes], max_line_bytes: int | None = None
+) -> Iterator[tuple[int, bytes | None]]:
     """``(line_number, line)`` for every line of a byte stream, 1-based, without the line end
-    (LF or CRLF) and without a leading UTF-8 byte-order mark. A last line needs no newline."""
-    number, pending = 0, []  # pending: pieces of a line not yet ended (a list, not +=, so a
-    for chunk in chunks:  # line spanning many chunks is joined once, not copied per chunk)
+    (LF or CRLF) and without a leading UTF-8 byte-order mark. A last line needs no newline.
+
+    A line longer than ``max_line_bytes`` is ``None``: its bytes are dropped as they arrive,
+    never joined, so an oversized line costs no more memory than a chunk."""
+    number = 0
+    pending: list[bytes] = []  # pieces of a line not yet ended, joined once at its end
+    pending_bytes, oversized = 0, False
+    for chunk in chunks:
         if b"\n" not in chunk:
-            pending.append(chunk)
+            if not oversized:
+                pending.append(chunk)
+                pending_bytes += len(chunk)
+                if max_line_bytes is not None and pending_bytes > max_line_bytes + 2:
+                    pending, oversized = [], True
             continue
         *lines, tail = chunk.split(b"\n")
-        lines[0] = b"".join([*pending, lines[0]])
-        pending = [tail]
-        for line in lines:
+        for index, line in enumerate(lines):
             number += 1
-            yield number, _clean(line, number)
+            if index == 0:
+                if oversized:
+                    pending, pending_bytes, oversized = [], 0, False
+                    yield number, None
+                    continue
+                line = b"".join([*pending, line])
+                pending, pending_bytes = [], 0
+            line = _clean(line, number)
+            yield (
+                number,
+                (None if max_line_bytes is not None and len(line) > max_line_bytes else line),
+            )
+        pending, pending_bytes = [tail], len(tail)
+        if max_line_bytes is not None and pending_bytes > max_line_bytes + 2:
+            pending, oversized = [], True
+    if oversized:
+        yield number + 1, None
+        return
     rest = b"".join(pending)
     if rest:
-        yield number + 1, _clean(rest, number + 1)
+        line = _clean(rest, number + 1)
+        yield (
+            number + 1,
+            (None if max_line_bytes is not None and len(line) > max_line_bytes else line),
+        )
 
 
 def _clean(line: bytes, number: int) -> bytes:
@@ -246,7 +278,33 @@ def _valid_rows(
     problems and the request count in ``outcome``; yields nothing once a problem is found."""
     batch_id, deadline = batch.id, batch.expires_at
     max_errors, max_requests = settings.max_validation_errors, checker.max_requests
-    for number, raw in iter_lines(blobs.iter_chunks(blob_key)):
+    max_lines = max_requests + BLANK_LINE_ALLOWANCE
+    for number, raw in iter_lines(blobs.iter_chunks(blob_key), settings.max_line_bytes):
+        if number > max_lines:
+            # Blank lines are read and skipped too: they count, so a file of them costs no more
+            # than a file of requests.
+            outcome.errors.append(
+                wire.batch_error(
+                    wire.TOO_MANY_REQUESTS,
+                    f"The file holds more than {max_lines} lines ({max_requests} requests, "
+                    "the limit for one batch, and blank lines count); split it into several "
+                    "batches.",
+                    number,
+                )
+            )
+            return
+        if raw is None:
+            outcome.errors.append(
+                wire.batch_error(
+                    wire.LINE_TOO_LONG,
+                    f"The line is longer than {settings.max_line_bytes} bytes, the limit for "
+                    "one request line (OFFPEAK_MAX_LINE_BYTES).",
+                    number,
+                )
+            )
+            if len(outcome.errors) >= max_errors:
+                return
+            continue
         if not raw.strip():
             continue  # blank and whitespace-only lines are allowed and skipped
         problem, custom_id = checker.check(number, raw)

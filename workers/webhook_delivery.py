@@ -20,7 +20,7 @@ from functools import partial
 
 from sqlalchemy.orm import Session
 
-from offpeak import webhook_protocol
+from offpeak import webhook_protocol, webhook_target
 from offpeak.endpoints import BATCH_ENDPOINTS
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings
@@ -69,21 +69,20 @@ def record_final(session: Session, settings: Settings, batch: Batch) -> None:
         after_commit(session, send, f"sending deliver_webhooks for {event_id}")
 
 
-def attempt(settings: Settings, due: webhooks_repo.DueDelivery) -> webhook_protocol.Attempt:
-    """One signed POST of a leased delivery, after checking its target again (a name may
+def attempt(settings: Settings, due: webhooks_repo.DueDelivery) -> webhook_target.Attempt:
+    """One signed POST of a leased delivery, its target checked again as it is sent (a name may
     resolve to a private address by now): a refused target is a failed attempt."""
-    try:
-        webhook_protocol.check_target(
-            due.url,
-            allow_http=settings.webhook_allow_http,
-            allow_private=settings.webhook_allow_private_targets,
-        )
-    except webhook_protocol.TargetRefused as refused:
-        return webhook_protocol.Attempt(None, 0.0, f"target refused: {refused}")
     headers = webhook_protocol.signed_headers(
         due.event_id, due.body, due.signing_secrets, time.time()
     )
-    return webhook_protocol.post(due.url, due.body, headers, settings.webhook_timeout_seconds)
+    return webhook_target.send(
+        due.url,
+        due.body,
+        headers,
+        timeout=settings.webhook_timeout_seconds,
+        allow_http=settings.webhook_allow_http,
+        allow_private=settings.webhook_allow_private_targets,
+    )
 
 
 def deliver_due(settings: Settings, *, max_rounds: int = 50) -> int:

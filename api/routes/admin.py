@@ -5,13 +5,13 @@ Guarded by the admin key (``OFFPEAK_ADMIN_API_KEY``), not a tenant's: pausing af
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from api.deps import SessionDep, SettingsDep
+from api import gate
+from api.deps import SessionDep
 from api.errors import Unauthorized, error_responses
 from api.schemas.admin import PauseRequest, PauseSwitch, ResumeRequest, SchedulerView
 from api.services import admin as admin_service
@@ -25,18 +25,13 @@ admin_key_scheme = HTTPBearer(
 
 
 def require_admin(
-    settings: SettingsDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(admin_key_scheme)],
+    request: Request,
+    _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(admin_key_scheme)],
 ) -> None:
-    """401 unless ``Authorization: Bearer <OFFPEAK_ADMIN_API_KEY>``; always 401 when unset."""
-    expected = settings.admin_api_key
-    if not expected:
-        raise Unauthorized(
-            "The admin API is off: set OFFPEAK_ADMIN_API_KEY (or use `offpeak pause`)."
-        )
-    given = credentials.credentials.strip() if credentials else ""
-    if not hmac.compare_digest(given.encode(), expected.encode()):
-        raise Unauthorized("Incorrect admin API key provided.")
+    """``Authorization: Bearer <OFFPEAK_ADMIN_API_KEY>``, checked by ``api.gate`` before the
+    body is read (always 401 while the key is unset); 401 for a request that missed the gate."""
+    if getattr(request.state, "admin", None) is not True:
+        raise Unauthorized(gate.WRONG_ADMIN_KEY)
 
 
 AdminDep = Depends(require_admin)

@@ -112,13 +112,13 @@ def rotate_secret(
 )
 def test_endpoint(
     body: TestWebhook,
-    session: SessionDep,
     settings: SettingsDep,
     tenant: CurrentTenant,
     endpoint_id: str,
 ) -> WebhookTestResult:
-    """Sends a signed sample event now and answers the receiver's status code."""
-    code = webhooks_service.send_test(session, settings, tenant.id, endpoint_id, body.event_type)
+    """Sends a signed sample event now and answers the receiver's status code (no database
+    session is held while the receiver answers)."""
+    code = webhooks_service.send_test(settings, tenant.id, endpoint_id, body.event_type)
     return WebhookTestResult(
         webhook_endpoint_id=endpoint_id, event_type=body.event_type, status_code=code
     )

@@ -10,10 +10,13 @@ from pydantic import BaseModel, Field
 class WorkerHealth(BaseModel):
     """A worker whose heartbeat is fresh (at most ``worker_alive_seconds`` old)."""
 
+    #: The worker's id for an operator (``host:pid:random``); for a tenant, an opaque digest
+    #: of it that names the same worker across answers.
     id: str
     #: ``control``, ``engine`` or ``control,engine``.
     role: str
-    hostname: str
+    #: For an operator only (the admin key or the metrics token); null for a tenant.
+    hostname: str | None
     #: The models an engine worker serves; [] for a control worker.
     models: list[str]
     heartbeat_age_seconds: float = Field(ge=0)
@@ -34,10 +37,21 @@ class ModelHealth(BaseModel):
     message: str | None
 
 
+class HealthStatus(BaseModel):
+    """``GET /healthz`` without a key: the process runs; ``status`` is ``degraded`` when
+    something behind it is down (a key says what: ``Health``)."""
+
+    status: Literal["ok", "degraded"]
+    #: Unix seconds of this answer.
+    checked_at: float
+
+
 class Health(BaseModel):
-    """``GET /healthz``: answered with 200 while the API process runs, whatever else is down;
-    ``status`` is ``degraded`` when the database does not answer, no control worker is alive or
-    a configured model has no live engine worker (``problems`` says which, in words)."""
+    """``GET /healthz`` with a key: answered with 200 while the API process runs, whatever else
+    is down; ``status`` is ``degraded`` when the database does not answer, no control worker is
+    alive or a configured model has no live engine worker (``problems`` says which, in words).
+    A tenant's key sees workers without their hosts; the admin key or the metrics token sees
+    everything."""
 
     status: Literal["ok", "degraded"]
     version: str

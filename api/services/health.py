@@ -7,6 +7,7 @@ seconds even when the database hangs or the request pool is exhausted by uploads
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 import migrations
-from api.schemas.health import Health, ModelHealth, Ready, WorkerHealth
+from api.schemas.health import Health, HealthStatus, ModelHealth, Ready, WorkerHealth
 from offpeak import __version__
 from offpeak.settings import Settings
 from storage.db import get_engine
@@ -263,3 +264,31 @@ def readiness(settings: Settings) -> Ready:
             "schema_out_of_date",
         )
     return Ready(status="ready", schema_revision=str(head), models_without_engine_worker=unserved)
+
+
+Viewer = Literal["operator", "tenant", "anonymous"]
+
+
+def _opaque(worker_id: str) -> str:
+    # Stable across answers, so a tenant can tell workers apart, without the host or the pid.
+    return "w_" + hashlib.sha256(worker_id.encode()).hexdigest()[:12]
+
+
+def for_viewer(health: Health, viewer: Viewer) -> Health | HealthStatus:
+    """What ``viewer`` may see of ``health``: all of it (an operator), workers without their
+    hosts and with opaque ids (a tenant), or only the status (no key)."""
+    if viewer == "operator":
+        return health
+    if viewer == "anonymous":
+        return HealthStatus(status=health.status, checked_at=health.checked_at)
+    return health.model_copy(
+        update={
+            "workers": [
+                w.model_copy(update={"id": _opaque(w.id), "hostname": None}) for w in health.workers
+            ],
+            "models": [
+                m.model_copy(update={"engine_workers": [_opaque(i) for i in m.engine_workers]})
+                for m in health.models
+            ],
+        }
+    )

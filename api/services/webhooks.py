@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, NotFound
 from api.schemas.webhooks import CreateWebhookEndpoint, UpdateWebhookEndpoint
-from offpeak import webhook_protocol
+from offpeak import webhook_protocol, webhook_target
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings
 from storage.db import session_scope
@@ -28,12 +28,12 @@ def _check_url(settings: Settings, url: str) -> None:
     """Refuse a URL this server will not call (scheme, credentials, a private address; the host
     is resolved, and every address it has is checked). Raises ``BadRequest``."""
     try:
-        webhook_protocol.check_target(
+        webhook_target.check_target(
             url,
             allow_http=settings.webhook_allow_http,
             allow_private=settings.webhook_allow_private_targets,
         )
-    except webhook_protocol.TargetRefused as refused:
+    except webhook_target.TargetRefused as refused:
         raise BadRequest(f"Invalid url: {refused}", param="url", code="invalid_url") from None
 
 
@@ -130,32 +130,31 @@ def rotate_secret(
 TEST_OBJECT_ID = "batch_test"
 
 
-def send_test(
-    session: Session, settings: Settings, tenant_id: str, endpoint_id: str, event_type: str
-) -> int:
+def send_test(settings: Settings, tenant_id: str, endpoint_id: str, event_type: str) -> int:
     """Sign and send one sample event of ``event_type`` (``data.id`` ``batch_test``) to the
-    endpoint now and return the receiver's status code. The attempt goes into the delivery log
-    in a transaction of its own (one attempt, never retried), whatever the answer.
+    endpoint now and return the receiver's status code. The endpoint is read, and the attempt
+    logged (one attempt, never retried), in transactions of their own: no database connection
+    is held while the receiver answers.
 
-    Raises ``BadRequest`` (code ``webhook_unreachable``) when no answer came: the URL was
-    refused, the connection failed or timed out.
+    Raises ``NotFound`` (no such endpoint of the tenant's) and ``BadRequest`` (code
+    ``webhook_unreachable``) when no answer came: the URL was refused, the connection failed or
+    the attempt's deadline passed.
     """
-    endpoint = get(session, tenant_id, endpoint_id)
-    event_id, created, at = new_id("evt_"), now(), time.time()
-    body = webhook_protocol.event_body(event_id, event_type, created, TEST_OBJECT_ID)
-    try:
-        webhook_protocol.check_target(
-            endpoint.url,
-            allow_http=settings.webhook_allow_http,
-            allow_private=settings.webhook_allow_private_targets,
-        )
+    with session_scope(settings.resolved_database_url) as session:
+        endpoint = get(session, tenant_id, endpoint_id)
+        url, at = endpoint.url, time.time()
         signing = webhooks_repo.signing_secrets(endpoint, at)
-        headers = webhook_protocol.signed_headers(event_id, body, signing, time.time())
-        result = webhook_protocol.post(
-            endpoint.url, body, headers, settings.webhook_timeout_seconds
-        )
-    except webhook_protocol.TargetRefused as refused:
-        result = webhook_protocol.Attempt(None, 0.0, f"target refused: {refused}")
+    event_id, created = new_id("evt_"), now()
+    body = webhook_protocol.event_body(event_id, event_type, created, TEST_OBJECT_ID)
+    headers = webhook_protocol.signed_headers(event_id, body, signing, time.time())
+    result = webhook_target.send(
+        url,
+        body,
+        headers,
+        timeout=settings.webhook_timeout_seconds,
+        allow_http=settings.webhook_allow_http,
+        allow_private=settings.webhook_allow_private_targets,
+    )
     with session_scope(settings.resolved_database_url) as log:
         (delivery_id,) = webhooks_repo.add_event(
             log,
@@ -166,7 +165,7 @@ def send_test(
             body=body,
             created_at=created,
             dedupe_key=None,
-            endpoint_ids=[endpoint.id],
+            endpoint_ids=[endpoint_id],
             at=at,
             give_up_at=at,
         )

@@ -64,6 +64,8 @@ def serve(
     """Run the HTTP API (expects ``offpeak migrate`` to have run)."""
     import uvicorn
 
+    from api.server import server_options
+
     settings = get_settings()
     uvicorn.run(
         "api.app:create_app",
@@ -73,6 +75,7 @@ def serve(
         workers=workers or settings.api_workers,
         log_level="info",
         access_log=settings.api_access_log,
+        **server_options(settings),
     )
 
 

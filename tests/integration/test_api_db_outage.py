@@ -239,11 +239,12 @@ def test_only_an_unavailable_database_is_a_503(settings: Settings) -> None:
 
         return route
 
-    app.add_api_route("/v1/deadlock", raise_(deadlock))
-    app.add_api_route("/v1/refused", raise_(refused))
+    # Outside /v1, so no key is needed (``api.gate``): the routes are about the handler.
+    app.add_api_route("/probe/deadlock", raise_(deadlock))
+    app.add_api_route("/probe/refused", raise_(refused))
     http = TestClient(app, raise_server_exceptions=False)  # no lifespan: no database needed
-    assert http.get("/v1/deadlock").status_code == 500
-    openai_503(http.get("/v1/refused"))
+    assert http.get("/probe/deadlock").status_code == 500
+    openai_503(http.get("/probe/refused"))
 
 
 class SilentProxy:

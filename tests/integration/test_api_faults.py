@@ -478,17 +478,21 @@ def test_openapi_declares_what_each_route_answers(http: TestClient) -> None:
         return set(paths[path][method]["responses"])
 
     # 409 and 422 on the creates: an Idempotency-Key in flight, or reused with another body.
-    # 503 on every /v1 route: the database is unavailable (tests/integration/test_api_db_outage.py).
+    # 503 on every /v1 route: the database is unavailable (tests/integration/test_api_db_outage.py);
+    # 429 on every tenant's route: too many wrong keys from one address (``api.gate``).
     assert statuses("/v1/batches", "post") == {
-        "200", "400", "401", "404", "409", "413", "422", "503"
+        "200", "400", "401", "404", "409", "413", "422", "429", "503"
     }  # fmt: skip
     assert statuses("/v1/batches/{batch_id}/cancel", "post") == {
-        "200", "400", "401", "404", "409", "413", "503"
+        "200", "400", "401", "404", "409", "413", "429", "503"
     }  # fmt: skip
-    assert statuses("/v1/files", "post") == {"200", "400", "401", "409", "413", "422", "503"}
-    assert statuses("/v1/files/{file_id}", "get") == {"200", "400", "401", "404", "503"}
-    assert statuses("/v1/models", "get") == {"200", "401", "503"}
+    assert statuses("/v1/files", "post") == {
+        "200", "400", "401", "409", "413", "422", "429", "503"
+    }  # fmt: skip
+    assert statuses("/v1/files/{file_id}", "get") == {"200", "400", "401", "404", "429", "503"}
+    assert statuses("/v1/models", "get") == {"200", "401", "429", "503"}
     assert set(paths["/v1/models"]["get"]["responses"]["503"]["headers"]) == {"Retry-After"}
+    assert set(paths["/v1/models"]["get"]["responses"]["429"]["headers"]) == {"Retry-After"}
     error = {"$ref": "#/components/schemas/ErrorResponse"}
     # Anthropic's surface answers errors in Anthropic's shape (``api.errors``).
     anthropic_error = {"$ref": "#/components/schemas/AnthropicErrorResponse"}

@@ -37,6 +37,9 @@ from tests.support.servers import free_port
 
 MODEL = "liveness-model"
 OTHER = "liveness-other"
+#: The operator's token: ``/healthz`` names workers and hosts only to it.
+OPERATOR_TOKEN = "liveness-operator-token"
+OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
 MODELS = {MODEL: ModelConfig(engine="instant"), OTHER: ModelConfig(engine="instant")}
 
 
@@ -49,7 +52,12 @@ def db_url(run_id: str) -> Iterator[str]:
 @pytest.fixture()
 def lv_settings(settings: Settings, db_url: str) -> Settings:
     return settings.model_copy(
-        update={"database_url": db_url, "models": MODELS, "worker_alive_seconds": 60.0}
+        update={
+            "database_url": db_url,
+            "models": MODELS,
+            "worker_alive_seconds": 60.0,
+            "metrics_token": OPERATOR_TOKEN,
+        }
     )
 
 
@@ -58,7 +66,7 @@ def client(lv_settings: Settings, db_url: str) -> Iterator[TestClient]:
     """The API in-process on this module's database, with no worker registered."""
     with session_scope(db_url) as session:
         session.execute(delete(WorkerRecord))
-    with TestClient(create_app(lv_settings)) as http:
+    with TestClient(create_app(lv_settings), headers=OPERATOR) as http:
         yield http
 
 
@@ -153,7 +161,7 @@ def check_not_ready(client: TestClient, code: str) -> dict[str, Any]:
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "server_error" and error["code"] == code
-    health = client.get("/healthz")
+    health = client.get("/healthz", headers=OPERATOR)
     assert health.status_code == 200, "liveness stays 200 while the process runs"
     assert health.json()["status"] == "degraded"
     return {"ready": error, "health": health.json()}
@@ -247,6 +255,7 @@ def stack(
         "OFFPEAK_QUEUE_PREFIX": f"{run_id}-liveness",
         "OFFPEAK_MODELS": json.dumps({MODEL: {"engine": "instant"}}),
         "OFFPEAK_WORKER_ALIVE_SECONDS": str(ALIVE_SECONDS),
+        "OFFPEAK_METRICS_TOKEN": OPERATOR_TOKEN,
     }
     services = ServiceProcesses(env, free_port(), tmp_path / "logs", roles=("control",))
     services.start()
@@ -270,7 +279,7 @@ def test_workers_heartbeat_and_submit_wait_warns_once(
 
     import httpx
 
-    stack_client = httpx.Client(base_url=stack.base_url, timeout=10)
+    stack_client = httpx.Client(base_url=stack.base_url, timeout=10, headers=OPERATOR)
     # The control worker registers and heartbeats (it did not at all before).
     wait_until(
         lambda: any(w["role"] == "control" for w in healthz()["workers"]),

@@ -59,6 +59,10 @@ def scheduler_state(settings: Settings) -> Iterator[None]:
             session.execute(delete(SchedulerState).where(SchedulerState.key.in_(keys)))
 
 
+#: The scraper's token: ``/metrics`` answers nobody else (a tenant's key included).
+METRICS_TOKEN = "metrics-test-token"
+
+
 def scrape(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """``sample name → [(labels, value)]``."""
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
@@ -77,13 +81,15 @@ def value(
 
 
 def test_api_metrics_expose_every_series(settings: Settings) -> None:
+    settings = settings.model_copy(update={"metrics_token": METRICS_TOKEN})
     tenant = AcctTenant(settings)
     done = make(settings, tenant, 6, MODEL)
     run(settings, MODEL)
     end(settings, done)
     make(settings, tenant, 7, QUEUED)  # never runs: its lines stay queued
     with scheduler_state(settings):
-        response = tenant.http.get("/metrics")
+        assert tenant.http.get("/metrics").status_code == 401  # a tenant's key is not enough
+        response = tenant.http.get("/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     samples = scrape(response.text)

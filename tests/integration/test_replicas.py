@@ -30,8 +30,11 @@ tenant = scheduler_tests.tenant
 
 
 def replicas_on_metrics(settings: Settings) -> dict[str, float]:
-    with TestClient(create_app(settings)) as client:
-        text = client.get("/metrics").text
+    token = {"Authorization": "Bearer replicas-metrics-token"}
+    with TestClient(
+        create_app(settings.model_copy(update={"metrics_token": "replicas-metrics-token"}))
+    ) as client:
+        text = client.get("/metrics", headers=token).text
     return {
         sample.labels["model"]: sample.value
         for family in text_string_to_metric_families(text)

@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 from sqlalchemy import func, select, update
 
-from offpeak import webhook_protocol
+from offpeak import webhook_protocol, webhook_target
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import ModelConfig, Settings
 from storage import task_messages
@@ -336,18 +336,18 @@ def test_private_and_loopback_targets_are_refused_unless_allowed(settings: Setti
         return lambda _host, _port: addresses
 
     public = resolver(["93.184.215.14", "2606:2800:21f:cb07:6820:80da:af6b:8b2c"])
-    webhook_protocol.check_target(
+    webhook_target.check_target(
         "https://example.com/", allow_http=False, allow_private=False, resolve=public
     )
     for private in ("10.1.2.3", "169.254.169.254", "fd00::1", "::1", "100.64.0.1", "0.0.0.0"):
-        with pytest.raises(webhook_protocol.TargetRefused):
-            webhook_protocol.check_target(
+        with pytest.raises(webhook_target.TargetRefused):
+            webhook_target.check_target(
                 "https://rebinds.example/",
                 allow_http=False,
                 allow_private=False,
                 resolve=resolver(["93.184.215.14", private]),  # one bad address is enough
             )
-    webhook_protocol.check_target(
+    webhook_target.check_target(
         "http://127.0.0.1:1/", allow_http=True, allow_private=True, resolve=resolver(["127.0.0.1"])
     )
 
