@@ -25,11 +25,12 @@ demo: install
 # The suite in three tiers, one folder each (tests/conftest.py): tests/unit needs nothing external,
 # tests/integration real PostgreSQL and Redis with the instant engine, tests/e2e real engines.
 # `make test` runs all three on two pytest-xdist workers by default (the CI machine's 2 cores):
-# the end-to-end modules first, those sharing an engine together, every other module beside them;
-# each worker's engines compute on a CPU of their own. `PYTEST_WORKERS=0 make test`: one process.
+# the end-to-end modules first (a folder of tests/e2e/ shares an engine and stays on one worker),
+# every other module beside them; each worker's engines compute on a CPU of their own.
+# `PYTEST_WORKERS=0 make test`: one process.
 PYTEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope
 
 # The unit tier alone, in one process: seconds, with PostgreSQL and Redis unreachable.
 test-unit: install

@@ -3,11 +3,11 @@ network), ``integration/`` real PostgreSQL and Redis with the instant engine, ``
 engines (every test there is marked ``engine``). The fixtures on PostgreSQL and Redis
 (``tests/support/fixtures.py``) start only when a test requests them, and a unit test may not.
 
-Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``) the end-to-end modules that share an
-engine run on one worker, one after another (the live stack; the in-process SmolLM2 engine);
-every other end-to-end module is a group of its own. The groups go out first, the shared ones
-first, so neither worker is left running a long one alone at the end; the integration and unit
-modules fill in beside them, each module a unit of work.
+Under pytest-xdist (``make test``: ``-n 2 --dist loadscope``) the unit of work is a module, but
+a folder under ``e2e/``, whose modules share an engine (``live/``: the live stack; ``engines/``:
+the in-process SmolLM2 engine), goes to one worker whole. The end-to-end units go out first (the
+folders, then the modules with the most tests), so neither worker is left running a long one
+alone at the end; the integration and unit modules fill in beside them.
 """
 
 from __future__ import annotations
@@ -27,10 +27,8 @@ pytest_plugins = ("tests.support.fixtures",)
 
 TESTS = Path(__file__).resolve().parent
 TIERS = ("e2e", "integration", "unit")
-#: The fixtures end-to-end modules share an engine through, and the xdist group of each.
-SHARED_ENGINES = {"live": "e2e-live-stack", "smollm2": "e2e-smollm2-in-process"}
-#: Modules (paths relative to the checkout's root, as in node ids) whose tests use the live stack.
-LIVE_MODULES = pytest.StashKey[frozenset[str]]()
+#: Modules the unit tier must not import: the engine's (their import alone takes seconds).
+ENGINE_MODULES = ("vllm", "torch")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -47,8 +45,14 @@ def tier(item: pytest.Item) -> str:
     return parts[0] if parts and parts[0] in TIERS else "unit"
 
 
-def _module(nodeid: str) -> str:
-    return nodeid.split("::", 1)[0]
+def unit_of_work(nodeid: str) -> str:
+    """What one xdist worker runs whole: a folder under ``tests/e2e/`` (its modules share an
+    engine), else the test's module. ``nodeid`` as pytest writes it, relative to the checkout."""
+    path = nodeid.split("::", 1)[0]
+    parts = path.split("/")
+    if parts[:2] == ["tests", "e2e"] and len(parts) > 3:
+        return "/".join(parts[:3])
+    return path
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -66,9 +70,8 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Hold every test to its folder's tier, mark the end-to-end tier ``engine`` (before ``-m``
-    selects), give each end-to-end module its xdist group (the engine it shares, else itself)
-    and put the groups first: the shared engines', then the other end-to-end modules', most
-    tests first; the rest keeps pytest's order."""
+    selects) and put the end-to-end units of work first: the shared-engine folders, then the
+    modules, most tests first; the rest keeps pytest's order."""
     from tests.support.fixtures import EXTERNAL_FIXTURES
 
     misplaced = sorted(
@@ -76,40 +79,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items
         if (tier(item) != "e2e" and (item.get_closest_marker("engine") or _uses(item, "live")))
         or (tier(item) == "unit" and EXTERNAL_FIXTURES & set(_fixtures(item)))
+        or (_uses(item, "live") and not item.nodeid.startswith("tests/e2e/live/"))
     )
     if misplaced:
         raise pytest.UsageError(
-            "tests on an engine belong in tests/e2e/, tests on PostgreSQL or Redis in "
-            f"tests/integration/ (or tests/e2e/): {misplaced}"
+            "tests on an engine belong in tests/e2e/ (on the live stack: tests/e2e/live/), tests "
+            f"on PostgreSQL or Redis in tests/integration/ (or tests/e2e/): {misplaced}"
         )
-    group_of: dict[str, str] = {}  # module -> its xdist group
-    for item in items:
-        if tier(item) != "e2e":
-            continue
-        module = _module(item.nodeid)
-        for fixture, group in SHARED_ENGINES.items():
-            if _uses(item, fixture):
-                group_of[module] = group
-        group_of.setdefault(module, module)
-    config.stash[LIVE_MODULES] = frozenset(
-        m for m, g in group_of.items() if g == SHARED_ENGINES["live"]
-    )
-    sizes = Counter(group_of[_module(item.nodeid)] for item in items if tier(item) == "e2e")
-    shared = list(SHARED_ENGINES.values())
+    sizes = Counter(unit_of_work(item.nodeid) for item in items if tier(item) == "e2e")
     for item in items:
         if tier(item) == "e2e":
             item.add_marker(pytest.mark.engine)
-            item.add_marker(pytest.mark.xdist_group(group_of[_module(item.nodeid)]))
 
     def rank(item: pytest.Item) -> tuple[int, int]:
-        group = group_of.get(_module(item.nodeid))
-        if group is None:
-            return (len(shared) + 1, 0)
-        if group in shared:
-            return (shared.index(group), 0)
-        return (len(shared), -sizes[group])  # the module with the most tests first
+        if tier(item) != "e2e":
+            return (2, 0)
+        unit = unit_of_work(item.nodeid)
+        shared = not unit.endswith(".py")
+        return (0 if shared else 1, -sizes[unit])
 
-    items.sort(key=rank)  # stable
+    items.sort(key=rank)  # stable: a unit's tests stay together, in pytest's order
 
 
 def _fixtures(item: pytest.Item) -> tuple[str, ...]:
@@ -122,26 +111,20 @@ def _uses(item: pytest.Item, fixture: str) -> bool:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadgroup`` with a module as the unit of work of every test outside a group (as
-    ``loadscope``), handed out in the collection's order (``pytest_collection_modifyitems``)
-    rather than xdist's default of the most tests first."""
-    if config.getvalue("dist") != "loadgroup":
+    """``--dist loadscope`` with ``unit_of_work`` as the scope, handed out in the collection's
+    order (``pytest_collection_modifyitems``) rather than xdist's default of the most tests
+    first."""
+    if config.getvalue("dist") != "loadscope":
         return None
-    from xdist.scheduler import LoadGroupScheduling
+    from xdist.scheduler import LoadScopeScheduling
 
     config.option.loadscopereorder = False
 
-    class GroupsThenModules(LoadGroupScheduling):  # type: ignore[misc]
+    class UnitsOfWork(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            if nodeid.rfind("@") > nodeid.rfind("]"):
-                return nodeid.split("@")[-1]
-            return _module(nodeid)
+            return unit_of_work(nodeid)
 
-    return GroupsThenModules(config, log)
-
-
-#: Modules the unit tier must not import: the engine's (their import alone takes seconds).
-ENGINE_MODULES = ("vllm", "torch")
+    return UnitsOfWork(config, log)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -1,6 +1,6 @@
 """Releasing an engine while the gate is closed, without the real engine:
 when it is released and brought back (``workers.engine.release``), and how the reload moves the
-slack. ``tests/e2e/test_release.py`` does it with vLLM on the live stack."""
+slack. ``tests/e2e/live/test_release.py`` does it with vLLM on the live stack."""
 
 from __future__ import annotations
 

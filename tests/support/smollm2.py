@@ -1,10 +1,10 @@
 """One in-process vLLM engine on SmolLM2-135M-Instruct for the test modules that need one (the
-``smollm2`` fixture of ``tests/e2e/conftest.py``).
+``smollm2`` fixture of ``tests/e2e/engines/conftest.py``).
 
-Loading it is slow, so the modules that use it share one xdist group and run one after the
-other: ``tests/e2e/test_engine_remote.py`` (its answers against the server's) builds it and
-``tests/e2e/test_engine_vllm.py`` (the adapter's own tests) closes it when it ends;
-``tests/e2e/conftest.py`` closes it at the end of the session if no module did.
+Loading it is slow, so the modules that use it share a folder (one xdist worker runs them one
+after the other): ``test_engine_remote.py`` (its answers against the server's) builds it and
+``test_engine_vllm.py`` (the adapter's own tests) closes it when it ends; the folder's conftest
+closes it at the end of the session if no module did.
 """
 
 from __future__ import annotations

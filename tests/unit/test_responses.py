@@ -5,7 +5,7 @@ SDK's ``Response`` type parses, chat's ``response_format`` and the Responses API
 engine's grammar backend refuses at ``add`` is a 400 line too, and the other lines join), and
 the prefix ordering and slot sizing of lines that carry schemas.
 
-The same on the real model, through the SDK: ``tests/e2e/test_responses.py``.
+The same on the real model, through the SDK: ``tests/e2e/live/test_responses.py``.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Which intervals count decides what a co-served batch is charged: every interval in which one of
 our requests was at the server, plus one after (the server bumps its counters after answering),
-and nothing else. ``tests/e2e/test_engine_remote.py`` checks the same against a real server, where
-the readings' times are the server's and the machine's.
+and nothing else. ``tests/e2e/engines/test_engine_remote.py`` checks the same against a real
+server, where the readings' times are the server's and the machine's.
 """
 
 from __future__ import annotations

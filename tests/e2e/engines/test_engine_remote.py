@@ -186,7 +186,7 @@ def test_same_tokens_and_usage_as_the_in_process_engine(engine: RemoteEngine, sm
         return out
 
     remote = answers(engine)
-    # The test process's in-process engine, kept for test_engine_vllm (next in its group),
+    # The test process's in-process engine, kept for test_engine_vllm (next in this folder),
     # which closes it.
     here = answers(smollm2)
     for (ids_r, r), (ids_l, lo) in zip(remote, here, strict=True):

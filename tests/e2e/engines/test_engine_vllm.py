@@ -35,7 +35,7 @@ _ids = itertools.count()
 @pytest.fixture(scope="module")
 def engine(smollm2: Any) -> Iterator[object]:
     # The test process's engine (tests/support/smollm2.py): test_engine_remote, just before
-    # this module in their xdist group, may have loaded it already.
+    # this module in the folder, may have loaded it already.
     yield smollm2
     close_smollm2_engine()
     smollm2.close()  # a second close must be harmless
@@ -292,7 +292,7 @@ def test_converted_model_is_found_without_importing_torch(engine) -> None:
         "print(ensure_model(DEFAULT_MODEL, s.models[DEFAULT_MODEL], s.model_cache_dir))\n"
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
     )
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60
     )

@@ -20,7 +20,7 @@ from offpeak.settings import Settings
 from offpeak.statuses import LineStatus
 from storage.db import session_scope
 from storage.repositories import scheduler as scheduler_repo
-from tests.e2e.conftest import LIVE_RELEASE_AFTER_SECONDS
+from tests.e2e.live.conftest import LIVE_RELEASE_AFTER_SECONDS
 from tests.support.batches import (
     chat_line,
     check_billed_once,

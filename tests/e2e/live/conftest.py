@@ -1,0 +1,71 @@
+"""The live stack: the API, a control worker and an engine worker on the real SmolLM2 model and
+all-MiniLM-L6-v2, for the whole session, shared by this folder's modules."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+from openai import OpenAI
+
+from offpeak.cli.supervisor import ServiceProcesses
+from offpeak.settings import Settings
+from tests.support.database import fresh_database, new_key, settings_from
+from tests.support.servers import free_port
+
+#: The live stack's ``scheduler.release_after_seconds``.
+LIVE_RELEASE_AFTER_SECONDS = 3
+
+
+@pytest.fixture(scope="session")
+def live_env(base_env: dict[str, str], run_id: str) -> Iterator[dict[str, str]]:
+    """The live stack's environment: its own database, so its sweep never acts on the
+    in-process tests' batches (with its own settings and prices). Its engine is released 3 s
+    after its gate closes (``tests/e2e/live/test_release.py``; nothing else closes it: its load
+    signal is ``idle`` and only that test pauses its pool)."""
+    with fresh_database(f"offpeak_{run_id}_live") as url:
+        yield {
+            **base_env,
+            "OFFPEAK_DATABASE_URL": url,
+            "OFFPEAK_SCHEDULER__RELEASE_AFTER_SECONDS": str(LIVE_RELEASE_AFTER_SECONDS),
+        }
+
+
+@pytest.fixture(scope="session")
+def live_settings(live_env: dict[str, str]) -> Settings:
+    return settings_from(live_env)
+
+
+@pytest.fixture(scope="session")
+def live(
+    live_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProcesses]:
+    """API, control worker and engine worker on the real SmolLM2 model, for the whole session."""
+    stack = ServiceProcesses(live_env, free_port(), tmp_path_factory.mktemp("live-logs"))
+    stack.start()
+    try:
+        stack.wait_http()
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(autouse=True)
+def live_starts_first(request: pytest.FixtureRequest) -> None:
+    """The live stack starts with the first test of this folder a process runs, used or not
+    (``live`` itself waits only for the API; its engine worker loads SmolLM2 and
+    all-MiniLM-L6-v2 while the tests before the first one on the engine run). A run that
+    selected no test on it never starts it. A stack that fails to start fails the tests that
+    use it, with its error (pytest keeps a session fixture's error), and no other test."""
+    session = request.session
+    if not hasattr(session, "offpeak_live_used"):
+        session.offpeak_live_used = any("live" in i.fixturenames for i in session.items)  # type: ignore[attr-defined]
+    if session.offpeak_live_used:  # type: ignore[attr-defined]
+        with contextlib.suppress(Exception):
+            request.getfixturevalue("live")
+
+
+@pytest.fixture()
+def live_sdk(live: ServiceProcesses, live_settings: Settings) -> OpenAI:
+    return OpenAI(base_url=f"{live.base_url}/v1", api_key=new_key(live_settings), max_retries=2)
