@@ -1,5 +1,6 @@
 # Offpeak on a GPU host: the CUDA build of vLLM (the `gpu` extra). CPU hosts use `.[cpu]` instead.
-FROM python:3.11-slim
+# The base is pinned to a release so a rebuild gets the same Python and Debian.
+FROM python:3.11.7-slim-bookworm
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY api api
@@ -11,4 +12,8 @@ COPY bench bench
 COPY examples examples
 ARG OFFPEAK_EXTRA=gpu
 RUN pip install --no-cache-dir ".[${OFFPEAK_EXTRA}]"
+# Not root: a process that escapes Offpeak gets a user with nothing but /data. A new named volume
+# mounted at /data takes the folder's owner from the image.
+RUN useradd --create-home --uid 10001 offpeak && mkdir -p /data && chown offpeak /data
+USER offpeak
 ENTRYPOINT ["offpeak"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,15 @@ from offpeak.cli import app
 from offpeak.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+TEXT = (ROOT / "docker-compose.yml").read_text()
+#: The secrets a deployment puts in .env, from the example it copies.
+SECRETS = dict(
+    line.split("=", 1)
+    for line in (ROOT / "examples" / "compose.env").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+)
+#: ``${NAME}`` and ``${NAME:?message}`` replaced as ``docker compose`` does from .env.
+COMPOSE = yaml.safe_load(re.sub(r"\$\{(\w+)(?::\?[^}]*)?\}", lambda m: SECRETS[m.group(1)], TEXT))
 OFFPEAK_SERVICES = ["migrate", "api", "control", "engine", "embeddings"]
 
 
@@ -40,7 +49,7 @@ def test_environment_is_settings(name: str, monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.setenv(key, str(value))
     settings = Settings()
     assert settings.resolved_database_url.startswith("postgresql+psycopg://")
-    assert settings.resolved_broker_url.startswith("redis://redis:")
+    assert settings.resolved_broker_url.startswith("redis://:")
     for model in settings.models.values():
         # A folder on the host, or a model packaged in the image (the embedding model).
         assert (model.path and model.path.startswith("/models/")) or model.source
@@ -63,3 +72,15 @@ def test_api_port_published() -> None:
     api = COMPOSE["services"]["api"]
     port = api["command"][api["command"].index("--port") + 1]
     assert any(p.endswith(f":{port}") for p in api["ports"])
+
+
+def test_no_secret_is_written_in_the_file() -> None:
+    raw = yaml.safe_load(TEXT)
+    assert set(re.findall(r"\$\{(\w+):\?", TEXT)) == set(SECRETS)
+    assert raw["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"].startswith("${")
+    # Redis takes no command without the password.
+    assert "--requirepass" in raw["services"]["redis"]["command"]
+    for name in OFFPEAK_SERVICES:
+        env = raw["services"][name]["environment"]
+        assert "${POSTGRES_PASSWORD" in env["OFFPEAK_DATABASE_URL"]
+        assert "${REDIS_PASSWORD" in env["OFFPEAK_BROKER_URL"]
