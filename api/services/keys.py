@@ -85,8 +85,9 @@ def create_key(session: Session, tenant_name: str, key_name: str | None = None) 
 
 
 def ensure_key(session: Session, tenant_name: str, key: str) -> None:
-    """Register a known key (the documented local demo key) for ``tenant_name``, once."""
-    if tenants_repo.key_exists(session, hash_key(key)):
+    """Register a known key (the documented local demo key) for ``tenant_name``, once; a known
+    key revoked earlier (``revoke_known_key``, the demo's end) is put back in force."""
+    if tenants_repo.set_revoked(session, hash_key(key), None):
         return
     tenant = ensure_tenant(session, tenant_name)
     tenants_repo.add_key(session, tenant.id, hash_key(key), key[:15], "local")
@@ -121,6 +122,13 @@ def list_keys(session: Session, tenant_name: str | None = None) -> list[tuple[Ap
 
 class UnknownKeyError(LookupError):
     """No key has this id."""
+
+
+def revoke_known_key(session: Session, key: str) -> None:
+    """Revoke a key given in plain text (the demo's published key, when the demo ends), if it
+    was ever registered; this process honours it at once."""
+    tenants_repo.set_revoked(session, hash_key(key), now())
+    _cache.clear()
 
 
 def revoke_key(session: Session, key_id: str) -> ApiKey:

@@ -104,7 +104,23 @@ def run_demo(port: int, console: Console) -> int:
         return _report(client, batches, seconds, console)
     finally:
         stack.stop()
+        _revoke_demo_key(settings.resolved_database_url, console)
         console.print(f"logs in {stack.log_dir}")
+
+
+def _revoke_demo_key(database_url: str, console: Console) -> None:
+    """The demo's key is published in the docs: once the demo ends it must not open the
+    database it ran on (a real one, when ``OFFPEAK_DATABASE_URL`` points there)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from api.services import keys
+    from storage.db import session_scope
+
+    try:
+        with session_scope(database_url) as session:
+            keys.revoke_known_key(session, DEMO_KEY)
+    except SQLAlchemyError as exc:  # a demo that failed before its database was migrated
+        console.print(f"[yellow]could not revoke the demo key: {type(exc).__name__}[/yellow]")
 
 
 def _wait(client: OpenAI, stack: OffpeakUp, batches: dict, console: Console) -> dict:  # type: ignore[type-arg]

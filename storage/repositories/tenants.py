@@ -67,5 +67,15 @@ def revoke(session: Session, key_id: str, at: int) -> ApiKey | None:
     return key
 
 
+def set_revoked(session: Session, key_hash: str, at: int | None) -> bool:
+    """Set the ``revoked_at`` of the key with ``key_hash`` (``None``: in force again); whether
+    such a key exists."""
+    key = session.scalar(select(ApiKey).where(ApiKey.key_hash == key_hash))
+    if key is not None:
+        key.revoked_at = at
+        session.flush()
+    return key is not None
+
+
 def key_exists(session: Session, key_hash: str) -> bool:
     return session.scalar(select(ApiKey.id).where(ApiKey.key_hash == key_hash)) is not None

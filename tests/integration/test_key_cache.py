@@ -62,3 +62,22 @@ def test_unknown_keys_are_not_cached(settings: Settings) -> None:
         assert tenant is not None and tenant.name == "cache-test"
         cached = keys.tenant_for_key(session, key)
         assert cached is not None and cached.id == tenant.id and cached is not tenant
+
+
+def test_the_demo_key_is_revoked_at_the_demos_end_and_back_at_its_next_start(
+    settings: Settings,
+) -> None:
+    demo = "sk-offpeak-local-demo-test"
+    url = settings.resolved_database_url
+    with session_scope(url) as session:
+        keys.ensure_key(session, "local", demo)
+    with session_scope(url) as session:
+        assert keys.tenant_for_key(session, demo) is not None
+    with session_scope(url) as session:
+        keys.revoke_known_key(session, demo)
+    with session_scope(url) as session:
+        assert keys.tenant_for_key(session, demo) is None
+    with session_scope(url) as session:
+        keys.ensure_key(session, "local", demo)  # the next demo's start
+    with session_scope(url) as session:
+        assert keys.tenant_for_key(session, demo) is not None
