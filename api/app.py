@@ -28,12 +28,14 @@ from api.services import keys
 from api.surrogates import LoneSurrogateMiddleware
 from offpeak import __version__
 from offpeak.settings import Settings, get_settings
+from storage import sealing
 from storage.db import session_scope
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The intake app. Expects a migrated database (``offpeak migrate``)."""
     settings = settings or get_settings()
+    sealing.configure(settings.secret_keys)
     reader = Reader(settings.resolved_database_url)
 
     @asynccontextmanager

@@ -9,6 +9,8 @@ Nested values (``models``) are JSON, e.g.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -389,6 +391,13 @@ class Settings(BaseSettings):
     #: A key accepted for the tenant ``local`` (created on first use). Unset in production;
     #: ``offpeak demo`` sets it.
     local_api_key: str | None = None
+    #: ``production`` refuses to start without ``secret_keys`` (and other unsafe defaults).
+    environment: Literal["development", "production"] = "development"
+    #: Fernet keys (url-safe base64 of 32 bytes; ``offpeak keys new-secret-key`` makes one) that
+    #: encrypt webhook signing secrets at rest; the first encrypts, every one decrypts, so a new
+    #: key goes first and the old one stays until ``offpeak keys reseal`` has run. Empty:
+    #: stored in plain text (development only).
+    secret_keys: list[str] = Field(default_factory=list)
     #: The bearer key of the admin API (``/v1/admin/...``: pause, resume, scheduler state).
     #: Unset: the admin API refuses every call (``offpeak pause`` works on the database).
     admin_api_key: str | None = None
@@ -519,6 +528,29 @@ class Settings(BaseSettings):
     metrics_cache_seconds: float = 2.0
     #: Hours of load-signal samples kept for the dashboard's chart.
     load_history_hours: float = 24.0
+
+    @field_validator("secret_keys")
+    @classmethod
+    def _fernet_keys(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            try:
+                if len(base64.urlsafe_b64decode(key.encode())) != 32:
+                    raise ValueError
+            except (ValueError, binascii.Error):
+                raise ValueError(
+                    "each of OFFPEAK_SECRET_KEYS must be a Fernet key (url-safe base64 of 32 "
+                    "bytes): `offpeak keys new-secret-key` makes one"
+                ) from None
+        return keys
+
+    @model_validator(mode="after")
+    def _production_needs_keys(self) -> Settings:
+        if self.environment == "production" and not self.secret_keys:
+            raise ValueError(
+                "OFFPEAK_ENVIRONMENT=production needs OFFPEAK_SECRET_KEYS: webhook signing "
+                "secrets are stored encrypted with it (`offpeak keys new-secret-key` makes one)"
+            )
+        return self
 
     @field_validator("data_dir")
     @classmethod

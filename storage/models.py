@@ -32,6 +32,7 @@ from sqlalchemy.ext.hybrid import hybrid_property
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from offpeak.statuses import LineStatus
+from storage.sealing import SealedString
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -353,7 +354,8 @@ class QueuedMessage(Base):
 class WebhookEndpoint(Base):
     """A tenant's webhook endpoint (OpenAI's ``webhook_endpoint``): where batch events go.
 
-    ``secret`` signs every delivery (it cannot be hashed: the server computes HMACs with it);
+    ``secret`` signs every delivery (it cannot be hashed: the server computes HMACs with it; it
+    is stored encrypted, ``storage.sealing``);
     after a rotation that keeps the old one, ``previous_secret`` signs too until
     ``previous_secret_until`` (unix seconds).
     """
@@ -365,8 +367,8 @@ class WebhookEndpoint(Base):
     name: Mapped[str] = mapped_column(String(200))
     url: Mapped[str] = mapped_column(Text)
     event_types: Mapped[list[str]] = mapped_column(JSONType)
-    secret: Mapped[str] = mapped_column(String(100))
-    previous_secret: Mapped[str | None] = mapped_column(String(100))
+    secret: Mapped[str] = mapped_column(SealedString(255))
+    previous_secret: Mapped[str | None] = mapped_column(SealedString(255))
     previous_secret_until: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[int] = mapped_column(BigInteger)
     updated_at: Mapped[int] = mapped_column(BigInteger)

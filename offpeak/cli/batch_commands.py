@@ -164,3 +164,30 @@ def keys_revoke_command(
             errors.print(f"no key has id {key_id!r} (see `offpeak keys list`)")
             raise typer.Exit(exit_codes.ERROR) from None
         console.print(f"key {key.id} ({key.prefix}…) revoked")
+
+
+def keys_new_secret_key_command() -> None:
+    """Print a new key for OFFPEAK_SECRET_KEYS (Fernet: url-safe base64 of 32 random bytes), which
+    encrypts webhook signing secrets at rest. To rotate: put the new key first in the list, keep
+    the old one after it, run ``offpeak keys reseal``, then drop the old one."""
+    from cryptography.fernet import Fernet
+
+    typer.echo(Fernet.generate_key().decode())
+
+
+def keys_reseal_command() -> None:
+    """Re-encrypt every stored webhook signing secret with the first of OFFPEAK_SECRET_KEYS
+    (those stored in plain text too), after a key rotation."""
+    from storage import sealing
+    from storage.db import session_scope
+    from storage.repositories import webhooks as webhooks_repo
+
+    settings = get_settings()
+    sealing.configure(settings.secret_keys)
+    with session_scope(settings.resolved_database_url) as session:
+        try:
+            count = webhooks_repo.reseal_secrets(session)
+        except sealing.SealingError as exc:
+            errors.print(str(exc))
+            raise typer.Exit(exit_codes.ERROR) from None
+    console.print(f"{count} webhook endpoint(s) resealed with the first key")

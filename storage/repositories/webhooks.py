@@ -6,11 +6,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, exists, select
+from sqlalchemy import String, cast, delete, exists, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from offpeak.ids import new_id
+from storage import sealing
 from storage.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent
 
 PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
@@ -275,3 +276,19 @@ def purge_events(session: Session, *, before: int) -> int:
         .execution_options(synchronize_session=False)
     )
     return int(result.rowcount or 0)  # type: ignore[attr-defined]
+
+
+def reseal_secrets(session: Session) -> int:
+    """Re-encrypt every stored webhook secret with the first key (``storage.sealing.reseal``),
+    plain-text ones included; returns how many endpoints were rewritten. Raises
+    ``storage.sealing.SealingError``."""
+    table = WebhookEndpoint.__table__
+    raw = [cast(table.c.secret, String), cast(table.c.previous_secret, String)]
+    count = 0
+    for endpoint_id, secret, previous in session.execute(select(table.c.id, *raw)).all():
+        values = {"secret": sealing.reseal(secret)}
+        if previous is not None:
+            values["previous_secret"] = sealing.reseal(previous)
+        session.execute(update(table).where(table.c.id == endpoint_id).values(values))
+        count += 1
+    return count

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from cryptography.fernet import Fernet
 from typer.main import get_command
 
 from offpeak.cli import app
@@ -20,8 +23,24 @@ SECRETS = dict(
     for line in (ROOT / "examples" / "compose.env").read_text().splitlines()
     if line.strip() and not line.startswith("#")
 )
-#: ``${NAME}`` and ``${NAME:?message}`` replaced as ``docker compose`` does from .env.
-COMPOSE = yaml.safe_load(re.sub(r"\$\{(\w+)(?::\?[^}]*)?\}", lambda m: SECRETS[m.group(1)], TEXT))
+# The example's placeholder is not a Fernet key; a deployment's .env holds a real one.
+SECRETS["OFFPEAK_SECRET_KEYS"] = json.dumps([Fernet.generate_key().decode()])
+#: ``${NAME}`` and ``${NAME:?message}`` in the file's string values replaced from .env, as
+#: ``docker compose`` does (after parsing the YAML, so a JSON value stays a string).
+VARIABLE = re.compile(r"\$\{(\w+)(?::\?[^}]*)?\}")
+
+
+def _interpolate(value: Any) -> Any:
+    if isinstance(value, str):
+        return VARIABLE.sub(lambda m: SECRETS[m.group(1)], value)
+    if isinstance(value, dict):
+        return {key: _interpolate(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(item) for item in value]
+    return value
+
+
+COMPOSE = _interpolate(yaml.safe_load(TEXT))
 OFFPEAK_SERVICES = ["migrate", "api", "control", "engine", "embeddings"]
 
 
