@@ -1,6 +1,6 @@
-"""The dashboard's data: the tenant's latest batches with their figures, throughput and queue per
-model, the last hours of batch tokens/s against the real-time load signal, and the workers that
-are missing (a model with no live engine worker, no control worker)."""
+"""The dashboard's data: the tenant's latest batches with their figures, its own throughput and
+queue per model, the last hours of its batch tokens/s against the real-time load signal, and the
+workers that are missing (a model with no live engine worker, no control worker)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,11 @@ def bucket_seconds(hours: float) -> int:
     return int(min(max(round(hours * 3600 / POINTS), 5), 3600))
 
 
-def _models(session: Session, settings: Settings, at: float) -> list[dict[str, Any]]:
+def _models(
+    session: Session, settings: Settings, tenant_id: str, at: float
+) -> list[dict[str, Any]]:
+    """Per model: the tenant's own queue and tokens/s; the engines' busy ratio and cost per
+    million tokens, which are the service's, not any tenant's."""
     window = settings.metrics_window_seconds
     rows: dict[str, dict[str, Any]] = defaultdict(
         lambda: {
@@ -39,18 +43,21 @@ def _models(session: Session, settings: Settings, at: float) -> list[dict[str, A
             "tokens": 0,
         }
     )
-    for model, status, count, _size in fleet_stats.queue_depth(session):
+    for model, status, count, _size in fleet_stats.queue_depth(session, tenant_id):
         queued = status == LineStatus.PENDING
         rows[model]["queued_requests" if queued else "running_requests"] += count
     for engine in fleet_stats.engine_window(session, at - window):
         row = rows[engine.model]
-        row["prompt_tokens_per_second"] += engine.prompt_tokens / window
-        row["completion_tokens_per_second"] += engine.completion_tokens / window
         row["busy_ratio"] += min(engine.busy_seconds / window, 1.0)
         row["engines"] += 1
         rate = billing.gpu_cost_per_hour(settings, engine.model, engine.device)
         row["cost"] += engine.busy_seconds * rate / 3600
         row["tokens"] += engine.prompt_tokens + engine.completion_tokens
+    for model, (prompt, completion) in fleet_stats.tenant_tokens(
+        session, tenant_id, at - window
+    ).items():
+        rows[model]["prompt_tokens_per_second"] = prompt / window
+        rows[model]["completion_tokens_per_second"] = completion / window
     out = []
     for model, row in sorted(rows.items()):
         engines, cost, tokens = row.pop("engines"), row.pop("cost"), row.pop("tokens")
@@ -70,13 +77,15 @@ def _with_display(batch: dict[str, Any]) -> dict[str, Any]:
     return {**batch, "display": {k: billing.format_usd(batch.get(k)) for k in shown}}
 
 
-def _series(session: Session, at: float, hours: float) -> dict[str, Any]:
+def _series(session: Session, tenant_id: str, at: float, hours: float) -> dict[str, Any]:
     step = bucket_seconds(hours)
     since = at - hours * 3600
     first = int(since // step) * step
     times = list(range(first, int(at // step) * step + 1, step))
     tokens: dict[str, dict[int, float]] = defaultdict(dict)
-    for bucket, model, _prompt, completion in fleet_stats.throughput_series(session, since, step):
+    for bucket, model, _prompt, completion in fleet_stats.throughput_series(
+        session, since, step, tenant_id
+    ):
         tokens[model][bucket] = completion / step
     load: dict[str, list[list[float]]] = defaultdict(list)
     for sample_at, source, value, _paused in fleet_stats.load_series(session, since):
@@ -107,8 +116,8 @@ def data(
         "paused": sorted(pool for pool, on in scheduler_state.pauses(state).items() if on),
         "load": load_now,
         "batches": [_with_display(batch) for batch in batches],
-        "models": _models(session, settings, at),
+        "models": _models(session, settings, tenant_id, at),
         # Models no live engine worker serves, a missing control worker: why work may not move.
         "alerts": health_service.alerts(session, settings, at),
-        "series": _series(session, at, hours),
+        "series": _series(session, tenant_id, at, hours),
     }

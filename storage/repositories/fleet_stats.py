@@ -18,17 +18,25 @@ from sqlalchemy.orm import Session
 
 from offpeak.scheduler_state import LOAD_PREFIX, PAUSE_ALL_KEY, PAUSE_PREFIX, REPLICAS_PREFIX
 from offpeak.statuses import LineStatus
-from storage.models import Batch, EngineChunk, LoadSample, RequestLine, SchedulerState
+from storage.models import (
+    Batch,
+    EngineChunk,
+    EngineChunkBatch,
+    LoadSample,
+    RequestLine,
+    SchedulerState,
+)
 
 #: An accounting period longer than this is not looked for when summing a recent window: a chunk
 #: is recorded at least every time a request finishes, so only an idle engine has longer ones.
 MAX_CHUNK_SECONDS = 3600.0
 
 
-def queue_depth(session: Session) -> list[tuple[str, str, int, int]]:
+def queue_depth(session: Session, tenant_id: str | None = None) -> list[tuple[str, str, int, int]]:
     """``(model, status, requests, bytes)`` of request lines not finished yet (``pending`` or
-    ``running``): how many, and the bytes of their JSON lines (a prompt-size proxy)."""
-    rows = session.execute(
+    ``running``): how many, and the bytes of their JSON lines (a prompt-size proxy); only
+    ``tenant_id``'s batches' if given."""
+    query = (
         select(
             RequestLine.model,
             RequestLine.status,
@@ -38,6 +46,11 @@ def queue_depth(session: Session) -> list[tuple[str, str, int, int]]:
         .where(RequestLine.status.in_(LineStatus.UNFINISHED))
         .group_by(RequestLine.model, RequestLine.status)
     )
+    if tenant_id is not None:
+        query = query.join(Batch, Batch.id == RequestLine.batch_id).where(
+            Batch.tenant_id == tenant_id
+        )
+    rows = session.execute(query)
     return [(model, status, int(n), int(size)) for model, status, n, size in rows]
 
 
@@ -105,17 +118,19 @@ def engine_window(
 
 
 def throughput_series(
-    session: Session, since: float, bucket_seconds: int
+    session: Session, since: float, bucket_seconds: int, tenant_id: str | None = None
 ) -> list[tuple[int, str, int, int]]:
     """``(bucket start, model, prompt tokens, completion tokens)`` of chunks that ended after
-    ``since``, in buckets of ``bucket_seconds`` by their end time."""
+    ``since``, in buckets of ``bucket_seconds`` by their end time; only the tokens of
+    ``tenant_id``'s batches if given (their share of each chunk, ``engine_chunk_batches``)."""
     bucket = cast(func.floor(EngineChunk.ended_at / bucket_seconds), Float) * bucket_seconds
-    rows = session.execute(
+    source: Any = EngineChunk if tenant_id is None else EngineChunkBatch
+    query = (
         select(
             bucket,
             EngineChunk.model,
-            func.sum(EngineChunk.prompt_tokens),
-            func.sum(EngineChunk.completion_tokens),
+            func.sum(source.prompt_tokens),
+            func.sum(source.completion_tokens),
         )
         .where(
             EngineChunk.started_at >= since - MAX_CHUNK_SECONDS,
@@ -124,7 +139,34 @@ def throughput_series(
         .group_by(bucket, EngineChunk.model)
         .order_by(bucket)
     )
-    return [(int(b), model, int(p), int(c)) for b, model, p, c in rows]
+    if tenant_id is not None:
+        query = (
+            query.join(EngineChunkBatch, EngineChunkBatch.chunk_id == EngineChunk.id)
+            .join(Batch, Batch.id == EngineChunkBatch.batch_id)
+            .where(Batch.tenant_id == tenant_id)
+        )
+    return [(int(b), model, int(p), int(c)) for b, model, p, c in session.execute(query)]
+
+
+def tenant_tokens(session: Session, tenant_id: str, since: float) -> dict[str, tuple[int, int]]:
+    """Model → ``(prompt tokens, completion tokens)`` of ``tenant_id``'s batches in chunks that
+    ended after ``since``."""
+    rows = session.execute(
+        select(
+            EngineChunk.model,
+            func.sum(EngineChunkBatch.prompt_tokens),
+            func.sum(EngineChunkBatch.completion_tokens),
+        )
+        .join(EngineChunkBatch, EngineChunkBatch.chunk_id == EngineChunk.id)
+        .join(Batch, Batch.id == EngineChunkBatch.batch_id)
+        .where(
+            Batch.tenant_id == tenant_id,
+            EngineChunk.started_at >= since - MAX_CHUNK_SECONDS,
+            EngineChunk.ended_at > since,
+        )
+        .group_by(EngineChunk.model)
+    )
+    return {model: (int(p or 0), int(c or 0)) for model, p, c in rows}
 
 
 def scheduler_state(session: Session) -> dict[str, Any]:
