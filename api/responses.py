@@ -5,7 +5,7 @@ The reads users poll return it instead of a pydantic model: FastAPI would valida
 against the route's ``response_model`` again and then serialize it, and for a page of 20
 batches building and checking the models cost more than the rest of the request (docs/
 benchmarks.md, "Status polls"). The routes still declare ``response_model``, which documents
-the schema in OpenAPI; ``tests/test_wire_json.py`` holds the dicts to it byte for byte.
+the schema in OpenAPI; ``tests/unit/test_wire_json.py`` holds the dicts to it byte for byte.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def batch_json(batch: Mapping[str, Any], bill: Bill | None = None) -> dict[str, 
     ``batches.POLL_COLUMNS`` as ``_asdict()``, or ``column_values`` of a ``Batch``; a mapping
     because a dict's lookups cost a fraction of a row's attributes): what retrieve and list send
     as they are (``api.responses.WireJSON``), without building 20 models for a page.
-    ``BatchObject.of`` validates the same dict, and ``tests/test_wire_json.py`` checks that the
+    ``BatchObject.of`` validates the same dict, and ``tests/unit/test_wire_json.py`` checks that the
     model's JSON and this dict's are the same bytes."""
     errors = batch["errors"]
     estimate = batch["estimate"]

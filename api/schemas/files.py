@@ -31,7 +31,8 @@ def file_json(file: Mapping[str, Any]) -> dict[str, Any]:
     """``FileObject`` as JSON-ready values, in its fields' order, from a file's column values
     by attribute name (a row's ``_asdict()``, or ``column_values`` of a ``File``): what the
     reads users poll send as they are (``api.responses.WireJSON``), without building the model.
-    ``FileObject.of`` validates the same dict, so the two agree (``tests/test_wire_json.py``)."""
+    ``FileObject.of`` validates the same dict, so the two agree
+    (``tests/unit/test_wire_json.py``)."""
     return {
         "id": file["id"],
         "object": "file",

@@ -140,7 +140,8 @@ def claim(
     ``UNION ALL`` under one ``LIMIT``, so the pending scan locks only the rows the lapsed one left
     room for), pipelined with the transaction's ``BEGIN`` and planner setting: round trips pace
     the claim thread (``offpeak bench control``). Sorts are off for the claim's transaction, so
-    stale statistics cannot choose a sort over the ordered walk (``tests/test_claim_plan.py``)."""
+    stale statistics cannot choose a sort over the ordered walk
+    (``tests/integration/test_claim_plan.py``)."""
     # deadline is whole seconds: deadline > at  <=>  deadline > floor(at), an integer bound.
     after = math.floor(at)
     if is_postgres(session):

@@ -14,7 +14,7 @@ is complete, and the runner writes finished lines back every ``flush_seconds``.
 
 Vectors are what the model's pooler returns: for a sentence-transformers folder vLLM reads
 ``modules.json`` (all-MiniLM-L6-v2: mean pooling, then L2 normalization), so they match
-``SentenceTransformer.encode`` (``tests/test_embeddings.py``).
+``SentenceTransformer.encode`` (``tests/integration/test_embeddings.py``).
 """
 
 from __future__ import annotations
