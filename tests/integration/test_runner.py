@@ -19,32 +19,13 @@ from storage.models import EngineChunk, EngineChunkBatch, File, RequestLine
 from storage.repositories import requests as requests_repo
 from storage.repositories.requests import ClaimedRequest, FinishedLine
 from tests.support.batches import check_billed_once, check_ran_batch, line, tenant_client, validate
-from workers.engine.base import EngineResult
+from tests.support.engines import SlowEngine
 from workers.engine.instant import InstantEngine
 from workers.finalize import finalize
 from workers.runner import Runner
 from workers.runner.gc_tuning import YOUNG_THRESHOLD, tune_collector
 
 MODEL = "runner-model"
-
-
-class SlowEngine(InstantEngine):
-    """Finishes one request per step, ``delay`` seconds per step, like a slow decode."""
-
-    def __init__(self, model_name: str, delay: float = 0.01) -> None:
-        super().__init__(model_name)
-        self.delay = delay
-
-    def step(self) -> list[EngineResult]:
-        time.sleep(self.delay)
-        if not self._queued:
-            return []
-        first = next(iter(self._queued))
-        keep = {k: v for k, v in self._queued.items() if k != first}
-        self._queued = {first: self._queued[first]}
-        results = super().step()
-        self._queued = keep
-        return results
 
 
 @pytest.fixture()
