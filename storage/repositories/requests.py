@@ -139,9 +139,8 @@ def claim(
     On PostgreSQL the claim is one statement (``CLAIM_STATEMENTS``: both scans as the arms of a
     ``UNION ALL`` under one ``LIMIT``, so the pending scan locks only the rows the lapsed one left
     room for), pipelined with the transaction's ``BEGIN`` and planner setting: round trips pace
-    the claim thread (``offpeak bench control``). Sorts are off for the claim's transaction, so
-    stale statistics cannot choose a sort over the ordered walk
-    (``tests/integration/test_claim_plan.py``)."""
+    the claim thread (``offpeak bench control``). Sorts are off for the claim's transaction:
+    stale statistics cannot pick a sort over the walk (tests/integration/test_claim_plan.py)."""
     # deadline is whole seconds: deadline > at  <=>  deadline > floor(at), an integer bound.
     after = math.floor(at)
     if is_postgres(session):
