@@ -15,7 +15,6 @@ import subprocess
 from collections.abc import Iterator
 from typing import NamedTuple
 
-import orjson
 import psutil
 import pytest
 from openai import OpenAI
@@ -25,7 +24,7 @@ from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import Settings
 from storage.db import session_scope
 from storage.models import RequestLine
-from tests.support.batches import check_ran_batch, line_statuses, wait_for_end
+from tests.support.batches import check_ran_batch, line_statuses, story_batch, wait_for_end
 from tests.support.database import fresh_database, new_key, settings_from
 from tests.support.processes import tree, wait_gone, wait_until
 from tests.support.servers import free_port
@@ -121,27 +120,7 @@ def long_batch(control_stack: ServiceProcesses, engine_settings: Settings) -> Lo
         base_url=f"{control_stack.base_url}/v1", api_key=new_key(engine_settings), max_retries=2
     )
     ids = [f"life-{i}" for i in range(120)]
-    lines = [
-        orjson.dumps(
-            {
-                "custom_id": custom_id,
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": MODEL,
-                    "messages": [{"role": "user", "content": f"Tell story {i} about a ship."}],
-                    "max_tokens": 8 * (1 + i % 3),
-                    "temperature": 0,
-                },
-            }
-        )
-        for i, custom_id in enumerate(ids)
-    ]
-    file = client.files.create(file=("in.jsonl", b"\n".join(lines)), purpose="batch")
-    batch = client.batches.create(
-        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    return LongBatch(batch.id, ids, client)
+    return LongBatch(story_batch(client, MODEL, ids, base_tokens=8), ids, client)
 
 
 def held_by(settings: Settings, batch_id: str, pid: int) -> set[int]:

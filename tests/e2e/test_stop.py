@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import orjson
 import psutil
 import pytest
 from openai import OpenAI
@@ -29,7 +28,13 @@ from openai import OpenAI
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import Settings, _default_models
 from tests.e2e.test_lifecycle import held_by, start_engine
-from tests.support.batches import check_billed_once, check_ran_batch, line_statuses, wait_for_end
+from tests.support.batches import (
+    check_billed_once,
+    check_ran_batch,
+    line_statuses,
+    story_batch,
+    wait_for_end,
+)
 from tests.support.database import fresh_database, new_key, settings_from
 from tests.support.processes import alive, tree, wait_until
 from tests.support.servers import free_port
@@ -155,27 +160,7 @@ def stop_stack(
 
 
 def chat_batch(client: OpenAI, ids: list[str]) -> str:
-    lines = [
-        orjson.dumps(
-            {
-                "custom_id": custom_id,
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": MODEL,
-                    "messages": [{"role": "user", "content": f"Tell story {i} about a ship."}],
-                    "max_tokens": 16 * (1 + i % 3),
-                    "temperature": 0,
-                },
-            }
-        )
-        for i, custom_id in enumerate(ids)
-    ]
-    file = client.files.create(file=("in.jsonl", b"\n".join(lines)), purpose="batch")
-    batch = client.batches.create(
-        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    return batch.id
+    return story_batch(client, MODEL, ids, base_tokens=16)
 
 
 @pytest.mark.engine

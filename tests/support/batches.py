@@ -237,3 +237,29 @@ def line_statuses(settings: Settings, batch_id: str) -> dict[str, int]:
             .group_by(RequestLine.status)
         )
         return {status: n for status, n in rows}
+
+
+def story_batch(client: OpenAI, model: str, ids: list[str], base_tokens: int) -> str:
+    """Create a chat batch of one story request per ``custom_id`` in ``ids`` (``max_tokens``
+    ``base_tokens`` × 1, 2 or 3 in turn, temperature 0) through ``client``; returns its id."""
+    lines = [
+        orjson.dumps(
+            {
+                "custom_id": custom_id,
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": model,
+                    "messages": [{"role": "user", "content": f"Tell story {i} about a ship."}],
+                    "max_tokens": base_tokens * (1 + i % 3),
+                    "temperature": 0,
+                },
+            }
+        )
+        for i, custom_id in enumerate(ids)
+    ]
+    file = client.files.create(file=("in.jsonl", b"\n".join(lines)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    return batch.id
