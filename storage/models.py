@@ -57,6 +57,18 @@ class Tenant(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     created_at: Mapped[int] = mapped_column(BigInteger)
+    #: The tenant's share of the engines against other tenants with work waiting (weighted fair
+    #: sharing: a tenant of weight 2 gets twice the engine time of one of weight 1).
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
+    # Per-tenant overrides of the quota and rate-limit defaults in settings; None: the default.
+    #: Enqueued tokens (prompt + requested output of lines not yet finished) per model.
+    max_enqueued_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    #: Batches validating, in progress or finalizing at once.
+    max_batches_in_progress: Mapped[int | None] = mapped_column(Integer)
+    #: Bytes of stored files (uploads, outputs and errors not deleted).
+    max_file_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    #: API requests per minute per key.
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer)
 
 
 class ApiKey(Base):
