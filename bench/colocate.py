@@ -34,12 +34,14 @@ real-time requests (the code is the engine worker's; only the process differs).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +59,9 @@ from bench.realtime import (
     prompt_tokens,
 )
 from bench.servers import VllmServe, free_port
-from offpeak.settings import DEFAULT_MODEL, LaneSettings, ModelConfig, SchedulerSettings, Settings
+from bench.slo import Slo
+from offpeak.lane_settings import LaneSettings
+from offpeak.settings import DEFAULT_MODEL, ModelConfig, SchedulerSettings, Settings
 
 #: The server's sequence limit: the naive leg (b) keeps this many batch requests in flight. On
 #: this 2-core CPU a step with 32 sequences already takes several times a single one's.
@@ -124,6 +128,15 @@ class SharedStep:
         lines = (target * (1.0 - self._load(rate, prompt, reply)) - self.base_s) / per_line
         lines = max(0.0, lines)
         return lines, lines / target
+
+
+def lane_tpot_model(lane: LaneSettings, alone_step: float) -> float:
+    """Seconds: the lane's TPOT target on its own reading (the mean step), modelled: the
+    absolute target, else ``ratio ×`` the mean step of real-time work alone (what the lane
+    measures as its baseline)."""
+    if lane.tpot_p95_ms is not None:
+        return lane.tpot_p95_ms / 1000
+    return lane.tpot_ratio * alone_step
 
 
 # --- Offpeak's side ---------------------------------------------------------------------------
@@ -201,28 +214,34 @@ class Leg:
     seconds: float = 0.0
 
 
-def run_leg(
-    name: str,
-    base: str,
-    model: str,
-    phases: list[tuple[float, float, float]],
-    batch_settings: Settings | None,
-    engine: Any | None,
-    step_model: Any,
-    seed: int,
-    pre_roll: float = 0.0,
-) -> Leg:
-    """One leg; with ``pre_roll`` seconds, the batch side starts that long before the phases,
-    beside real-time traffic at the first phase's rate (the lane learns its baselines once per
-    deployment, not per phase); times are reported from the first phase's start (the pre-roll
-    negative)."""
-    leg = Leg(name)
+def phase_load(
+    base: str, model: str, phases: list[tuple[float, float, float]], seed: int, pre_roll: float
+) -> tuple[RealtimeLoad, float]:
+    """Poisson phases as a leg's real-time load, shifted by ``pre_roll`` seconds of the first
+    phase's rate; ``(load, seconds until its last arrival)``."""
     seeded = [(s + pre_roll, e + pre_roll, r, seed + i) for i, (s, e, r) in enumerate(phases)]
     if pre_roll:
         seeded.insert(0, (0.0, pre_roll, phases[0][2], seed + 1000))
-    t0 = time.perf_counter()
     horizon = max(end for _, end, _, _ in seeded)
-    load = RealtimeLoad(base, model, [p for p in seeded if p[2] > 0])
+    return RealtimeLoad(base, model, [p for p in seeded if p[2] > 0]), horizon
+
+
+def run_leg(
+    name: str,
+    load: Any,
+    horizon: float,
+    batch_settings: Settings | None,
+    engine: Any | None,
+    step_model: Any,
+    pre_roll: float = 0.0,
+) -> Leg:
+    """One leg: the real-time ``load`` (``start(t0)``, ``join``, ``records``) for ``horizon``
+    seconds beside the batch side (none without ``batch_settings``). With ``pre_roll`` seconds,
+    the batch side starts that long before the measured part, beside real-time traffic (the lane
+    learns its baselines once per deployment, not per phase); times are reported from the
+    measured part's start (the pre-roll negative)."""
+    leg = Leg(name)
+    t0 = time.perf_counter()
     load.start(t0)
     if batch_settings is not None and engine is not None:
         counting = CountingEngine(engine)
@@ -244,7 +263,7 @@ def run_leg(
     for record in load.records:
         record.at -= pre_roll
     leg.finished = [(at - pre_roll, tokens) for at, tokens in leg.finished]
-    leg.records = load.records
+    leg.records = [r for r in load.records if r.at >= 0]
     leg.seconds = time.perf_counter() - t0
     return leg
 
@@ -280,28 +299,65 @@ def _wait_idle(base: str, timeout: float = 120) -> None:
         time.sleep(0.5)
 
 
-def run(
-    quick: bool = False,
-    phase_seconds: float | None = None,
-    out_dir: Path | None = None,
-    plot: Path | None = Path("docs/colocate.png"),
-    seed: int = 0,
-    server_url: str | None = None,
-) -> dict[str, Any]:
-    """The four legs on one server; prints the table, writes ``colocate.json`` and the plot.
-    ``server_url``: an already running server (started with ``--max-num-seqs 32
-    --scheduling-policy priority``) instead of one started here."""
+@dataclass
+class CoServing:
+    """What every leg of a co-serving run shares: the real-time server at ``base``, its step
+    model measured at the start, the scratch service holding the batch, the remote engine and
+    the lane settings of leg (c)."""
+
+    base: str
+    name: str
+    step: Any
+    shared: SharedStep
+    calibration: dict[str, Any]
+    rt_prompt: int
+    start_s: float
+    machine: dict[str, Any]
+    lane: LaneSettings
+    service: Any = None
+    engine: Any = None
+    remote: ModelConfig | None = None
+
+    def batch_settings(self, lane_on: bool) -> Settings:
+        """The runner's settings: the scratch service's, the lane on (leg (c)) or off."""
+        lane = self.lane.model_copy(update={"enabled": lane_on})
+        service = self.service
+        return Settings(
+            database_url=service.database_url,
+            broker_url=service.env["OFFPEAK_BROKER_URL"],
+            data_dir=service.data_dir,
+            queue_prefix=service.env["OFFPEAK_QUEUE_PREFIX"],
+            models={self.name: self.remote},
+            scheduler=SchedulerSettings(lane=lane),
+            flush_seconds=1.0,
+        )
+
+    def plan(self, a: Any, c: Any) -> tuple[tuple[str, Any, Settings | None, float], ...]:
+        """The four legs: name, real-time load (``a`` for (a)-(c), ``c`` nothing for (d)), the
+        runner's settings, pre-roll seconds (the lane learns its baselines, then slow-starts)."""
+        return (
+            ("a", a, None, 0.0),
+            ("b", a, self.batch_settings(False), 0.0),
+            ("c", a, self.batch_settings(True), self.lane.learn_seconds + 10),
+            ("d", c, self.batch_settings(False), 0.0),
+        )
+
+
+@contextlib.contextmanager
+def co_serving(
+    quick: bool, seed: int, server_url: str | None, lane: LaneSettings, lines: int
+) -> Iterator[CoServing]:
+    """The real-time server (started here unless ``server_url``), its step model, and a
+    scratch service running a batch of ``lines`` chat lines, with the remote engine loaded."""
     from workers.engine import registry
     from workers.model_store import ensure_model
-    from workers.planner import StepModel, largest_batch
+    from workers.planner import StepModel
 
-    phase = phase_seconds or (15.0 if quick else 60.0)
     name = DEFAULT_MODEL
     settings = Settings()
     config = settings.models[name]
     model_dir = ensure_model(name, config, settings.model_cache_dir)
     machine = harness.machine()
-    lane_defaults = LaneSettings()
     port = free_port()
     base = (server_url or f"http://127.0.0.1:{port}").rstrip("/")
     with tempfile.TemporaryDirectory(prefix="offpeak-colocate-") as tmp:
@@ -320,75 +376,81 @@ def run(
             step = StepModel(calibration["base_ms"], calibration["per_seq_ms"])
             shared = SharedStep(step.base_ms / 1000, step.per_seq_ms / 1000,
                                 calibration["prefill"]["prefill_s_per_token"])  # fmt: skip
-            tpot_floor = lane_defaults.tpot_ratio * step.step_seconds(1)
-            floor_batch = largest_batch(step, 1.0 / tpot_floor, memory_limit=MAX_NUM_SEQS)
-            mean_reply = sum(RT_REPLY) / 2
-            # Prefill included: the decode-only model put it at 4.4 requests/s, where real-time
-            # work alone queued for 30 s (measured).
-            capacity = shared.capacity(tpot_floor, rt_prompt, mean_reply)
-            labels = ("quiet", "busy", "quiet again")
-            rates = (QUIET * capacity, BUSY * capacity, QUIET * capacity)
-            phases = [(i * phase, (i + 1) * phase, r) for i, r in enumerate(rates)]
-            named = [(lab, s, e) for lab, (s, e, _) in zip(labels, phases, strict=True)]
-            harness.console.print(
-                f"step {step.base_ms:.1f} ms + {step.per_seq_ms:.2f} ms/seq, prefill "
-                f"{1000 * shared.prefill_s_per_token:.2f} ms/token ({rt_prompt} per real-time "
-                f"prompt); TPOT floor {1000 * tpot_floor:.0f} ms; real-time capacity "
-                f"{capacity:.2f} req/s"
-            )
-            lines = 300 if quick else 3000
+            bench = CoServing(base, name, step, shared, calibration, rt_prompt, start_s, machine,
+                              lane)  # fmt: skip
             batch_file = folder / "batch.jsonl"
             write_jsonl(chat_requests(lines, model=name, max_tokens=64, seed=seed), batch_file)
-            remote = ModelConfig(
+            bench.remote = ModelConfig(
                 engine="remote", url=base, source=config.source, max_num_seqs=MAX_NUM_SEQS,
                 max_model_len=2048,
             )  # fmt: skip
             with harness.scratch_service(
-                {name: remote.model_dump()}, roles=("control",)
+                {name: bench.remote.model_dump()}, roles=("control",)
             ) as service:
+                bench.service = service
                 batch = harness.create(service.client, harness.upload(service.client, batch_file))
                 batch = harness.wait_status(
                     service.client, batch.id, ("in_progress",), stack=service.stack
                 )
                 if batch.status != "in_progress":
                     raise RuntimeError(f"the batch did not start: {batch.status} {batch.errors}")
-
-                def batch_settings(enabled: bool) -> Settings:
-                    policy = SchedulerSettings(lane=LaneSettings(enabled=enabled))
-                    return Settings(
-                        database_url=service.database_url,
-                        broker_url=service.env["OFFPEAK_BROKER_URL"],
-                        data_dir=service.data_dir,
-                        queue_prefix=service.env["OFFPEAK_QUEUE_PREFIX"],
-                        models={name: remote},
-                        scheduler=policy,
-                        flush_seconds=1.0,
-                    )
-
-                engine = registry.load(batch_settings(False), name)
-                legs: dict[str, Leg] = {}
-                plan = (
-                    ("a", phases, None),
-                    ("b", phases, batch_settings(False)),
-                    ("c", phases, batch_settings(True)),
-                    ("d", [(0.0, phase, 0.0)], batch_settings(False)),
-                )
-                for leg_name, leg_phases, leg_settings in plan:
-                    _wait_idle(base)
-                    harness.console.print(f"leg ({leg_name}) …")
-                    # The lane learns its baselines, then slow-starts, before the phases.
-                    pre = lane_defaults.learn_seconds + 10 if leg_name == "c" else 0.0
-                    legs[leg_name] = run_leg(
-                        leg_name, base, name, leg_phases, leg_settings,
-                        engine if leg_settings else None, step, seed, pre,
-                    )  # fmt: skip
-                registry.close_all()
+                bench.engine = registry.load(bench.batch_settings(False), name)
+                try:
+                    yield bench
+                finally:
+                    registry.close_all()
         finally:
             if server is not None:
                 server.stop()
+
+
+def run(
+    quick: bool = False,
+    phase_seconds: float | None = None,
+    out_dir: Path | None = None,
+    plot: Path | None = Path("docs/colocate.png"),
+    seed: int = 0,
+    server_url: str | None = None,
+    lane: LaneSettings | None = None,
+) -> dict[str, Any]:
+    """The four legs on one server; prints the table, writes ``colocate.json`` and the plot.
+    ``server_url``: an already running server (started with ``--max-num-seqs 32
+    --scheduling-policy priority``) instead of one started here. ``lane``: leg (c)'s lane
+    settings and the targets (``bench.slo.bench_lane``; default: the environment's)."""
+    from workers.planner import largest_batch
+
+    phase = phase_seconds or (15.0 if quick else 60.0)
+    lane = lane or Settings().scheduler.lane
+    with co_serving(quick, seed, server_url, lane, 300 if quick else 3000) as bench:
+        step, shared, rt_prompt = bench.step, bench.shared, bench.rt_prompt
+        tpot_floor = lane_tpot_model(lane, step.step_seconds(1))
+        floor_batch = largest_batch(step, 1.0 / tpot_floor, memory_limit=MAX_NUM_SEQS)
+        mean_reply = sum(RT_REPLY) / 2
+        # Prefill included: the decode-only model put it at 4.4 requests/s, where real-time
+        # work alone queued for 30 s (measured).
+        capacity = shared.capacity(tpot_floor, rt_prompt, mean_reply)
+        labels = ("quiet", "busy", "quiet again")
+        rates = (QUIET * capacity, BUSY * capacity, QUIET * capacity)
+        phases = [(i * phase, (i + 1) * phase, r) for i, r in enumerate(rates)]
+        named = [(lab, s, e) for lab, (s, e, _) in zip(labels, phases, strict=True)]
+        harness.console.print(
+            f"step {step.base_ms:.1f} ms + {step.per_seq_ms:.2f} ms/seq, prefill "
+            f"{1000 * shared.prefill_s_per_token:.2f} ms/token ({rt_prompt} per real-time "
+            f"prompt); TPOT floor {1000 * tpot_floor:.0f} ms; real-time capacity "
+            f"{capacity:.2f} req/s"
+        )
+        legs: dict[str, Leg] = {}
+        for leg_name, leg_phases, leg_settings, pre in bench.plan(phases, [(0.0, phase, 0.0)]):
+            _wait_idle(bench.base)
+            harness.console.print(f"leg ({leg_name}) …")
+            load, horizon = phase_load(bench.base, bench.name, leg_phases, seed, pre)
+            legs[leg_name] = run_leg(
+                leg_name, load, horizon, leg_settings,
+                bench.engine if leg_settings else None, step, pre,
+            )  # fmt: skip
     yardstick = (shared, rt_prompt, mean_reply, rates)
-    result = _result(legs, named, phase, step, calibration, floor_batch, capacity, machine,
-                      start_s, quick, yardstick, lane_defaults)  # fmt: skip
+    result = _result(legs, named, phase, step, bench.calibration, floor_batch, capacity,
+                     bench.machine, bench.start_s, quick, yardstick, lane)  # fmt: skip
     _print(result)
     path = harness.write_result("colocate", result, out_dir)
     harness.console.print(f"wrote {path}")
@@ -414,11 +476,13 @@ def _result(legs, named, phase, step, calibration, floor_batch, capacity, machin
     # The lane's TPOT target, modelled: ratio × the mean step of real-time work alone in the
     # quiet phase (what the lane measures as its baseline).
     quiet_step = shared.mean_step(rates[0], rt_prompt, reply)
+    slo = Slo.of(lane)
     targets = {
-        "tpot_p95_s": lane.tpot_ratio * base_tpot if base_tpot else None,
-        "ttft_p95_s": lane.ttft_ratio * base_ttft if base_ttft else None,
-        "tpot_floor_step_model_s": lane.tpot_ratio * step.step_seconds(1),
-        "lane_tpot_mean_step_model_s": lane.tpot_ratio * quiet_step,
+        "slo": slo.as_dict(),
+        "tpot_p95_s": slo.target("tpot", base_tpot),
+        "ttft_p95_s": slo.target("ttft", base_ttft),
+        "tpot_floor_step_model_s": lane_tpot_model(lane, step.step_seconds(1)),
+        "lane_tpot_mean_step_model_s": lane_tpot_model(lane, quiet_step),
     }
     model_check = [
         {"phase": label, "rate_per_s": rate,
@@ -460,7 +524,7 @@ def _result(legs, named, phase, step, calibration, floor_batch, capacity, machin
             "quiet": QUIET,
             "busy": BUSY,
             "server_start_s": start_s,
-            "lane_defaults": lane.model_dump(),
+            "lane": lane.model_dump(),
         },  # fmt: skip
         "step_model": calibration,
         "batch_line_tokens": {"uncached_prompt": batch_prompt, "reply": batch_reply},

@@ -180,3 +180,55 @@ def draw_colocate(result: dict[str, Any], output: Path) -> Path:
     fig.savefig(output, dpi=100)
     plt.close(fig)
     return output
+
+
+def draw_colocate_trace(result: dict[str, Any], output: Path) -> Path:
+    """One row per leg of ``bench colocate --trace``: each real-time request's TTFT and TPOT at
+    its send time (ms, log scale) against the whole replay's targets, the windows' edges, and
+    batch output tokens/s in bins of a fiftieth of the replay."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    legs = result["timelines"]
+    fig, axes = plt.subplots(len(legs), 1, figsize=(12, 2.6 * len(legs)), squeeze=False)
+    targets = result["targets_whole_s"]
+    duration = result["params"]["replay_seconds"]
+    width = max(1.0, duration / 50)
+    for ax, (leg, timeline) in zip(axes[:, 0], legs.items(), strict=True):
+        rt = timeline["realtime"]
+        if rt:
+            ax.scatter([r[0] for r in rt], [1000 * r[1] for r in rt], s=6, color="#c77c3a",
+                       label="TTFT")  # fmt: skip
+            tpot = [(r[0], 1000 * r[2]) for r in rt if r[2] is not None]
+            if tpot:
+                ax.scatter(*zip(*tpot, strict=True), s=6, color="#2f6db5", label="TPOT")
+            ax.legend(loc="upper left", fontsize=8)
+        for key, color in (("ttft", "#c77c3a"), ("tpot", "#2f6db5")):
+            if targets.get(key):
+                ax.axhline(1000 * targets[key], color=color, ls="--", lw=1)
+        for w in result["legs"][leg]["windows"][1:] if leg != "d" else []:
+            ax.axvline(w["start"], color="#bbbbbb", lw=0.6)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms")
+        batch = timeline["batch_tokens"]
+        if batch:
+            twin = ax.twinx()
+            end = max(a for a, _ in batch) + width
+            bins = np.arange(0, end + width, width)
+            sums, _ = np.histogram([a for a, _ in batch], bins, weights=[t for _, t in batch])
+            twin.step(bins[:-1], sums / width, where="post", color="#2a9d4b")
+            twin.set_ylabel("batch tokens/s", color="#2a9d4b")
+        ax.set_title(f"({leg})", fontsize=10)
+    axes[-1, 0].set_xlabel("replay seconds (grey: windows)")
+    p = result["params"]
+    fig.suptitle(
+        f"Trace replay ({Path(p['trace']).name}, time × {p['time_scale']:.3g}, prompts × "
+        f"{p['token_scale']:g}) through one vllm serve; dashed: targets"
+    )
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+    return output

@@ -217,21 +217,75 @@ def colocate(
     phase_seconds: Annotated[
         float | None, typer.Option(help="Seconds per real-time phase (default 60, quick 15).")
     ] = None,
-    plot: Annotated[Path, typer.Option(help="The timeline plot's path.")] = Path(
-        "docs/colocate.png"
-    ),
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            help="The timeline plot's path (default docs/colocate.png, "
+            "docs/colocate-trace.png with --trace)."
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Random seed (arrivals, reply lengths).")] = 0,
     server_url: Annotated[
         str | None,
         typer.Option(help="Use this running server (--max-num-seqs 32, priority scheduling)."),
     ] = None,
+    tpot_ratio: Annotated[
+        float | None, typer.Option(help="TPOT p95 target: this × real-time alone's.")
+    ] = None,
+    ttft_ratio: Annotated[
+        float | None, typer.Option(help="TTFT p95 target: this × real-time alone's.")
+    ] = None,
+    tpot_ms: Annotated[float | None, typer.Option(help="TPOT p95 target in ms.")] = None,
+    ttft_ms: Annotated[float | None, typer.Option(help="TTFT p95 target in ms.")] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            help="Replay this TIMESTAMP,ContextTokens,GeneratedTokens CSV as the "
+            "real-time load instead of Poisson phases."
+        ),
+    ] = None,
+    requests: Annotated[int, typer.Option(help="Trace requests replayed per leg.")] = 240,
+    trace_start: Annotated[float, typer.Option(help="Trace seconds skipped.")] = 0.0,
+    time_scale: Annotated[
+        float | None,
+        typer.Option(
+            help="Trace arrival times × this (default: the slice's mean rate at "
+            "--load × this server's real-time capacity)."
+        ),
+    ] = None,
+    token_scale: Annotated[float, typer.Option(help="Trace prompt tokens × this.")] = 0.05,
+    reply_scale: Annotated[float, typer.Option(help="Trace reply tokens × this.")] = 1.0,
+    load: Annotated[
+        float, typer.Option(help="Mean real-time load of the default time scale (× capacity).")
+    ] = 0.5,
+    windows: Annotated[int, typer.Option(help="Windows of the replay judged one by one.")] = 10,
     out: OutDir = None,
 ) -> None:
     """Co-serving through one real vllm serve: real-time alone, + batch with the lane off,
-    + batch with the lane controller, batch alone (about 12 minutes; run it under flock)."""
+    + batch with the lane controller, batch alone (about 12 minutes; run it under flock).
+    Targets come from OFFPEAK_SCHEDULER__LANE__… and the model's lane, then these flags."""
+    from bench.slo import bench_lane
+    from offpeak.settings import DEFAULT_MODEL, Settings
+
+    settings = Settings()
+    config = settings.models.get(DEFAULT_MODEL)
+    lane = bench_lane(
+        settings.scheduler.lane, config.lane if config else None, tpot_ratio=tpot_ratio,
+        ttft_ratio=ttft_ratio, tpot_ms=tpot_ms, ttft_ms=ttft_ms,
+    )  # fmt: skip
+    if trace is not None:
+        from bench import colocate_trace
+
+        colocate_trace.run(
+            trace, requests=requests, start_s=trace_start, time_scale=time_scale,
+            token_scale=token_scale, reply_scale=reply_scale, window_count=windows, load=load,
+            lane=lane, out_dir=out, plot=plot or Path("docs/colocate-trace.png"), seed=seed,
+            server_url=server_url, quick=quick,
+        )  # fmt: skip
+        return
     from bench import colocate as module
 
-    module.run(quick, phase_seconds, out, plot, seed, server_url)
+    module.run(quick, phase_seconds, out, plot or Path("docs/colocate.png"), seed, server_url, lane)
 
 
 @bench_app.command("plot")

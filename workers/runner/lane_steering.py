@@ -53,9 +53,10 @@ class LaneSteering:
         export_metrics: bool = True,
     ) -> LaneSteering | None:
         """The lane of a remote engine's model (``LaneSettings.enabled`` None) or of any model
-        when enabled; ``None`` when off. Without ``server`` it scrapes the server's
+        when enabled; ``None`` when off. The model's own targets (``ModelConfig.lane``) go over
+        the pool's. Without ``server`` it scrapes the server's
         ``/metrics`` (``metrics_url``) on a thread of its own."""
-        lane = policy.lane
+        lane = policy.lane.with_targets(config.lane if config is not None else None)
         remote = config is not None and config.engine == "remote"
         if not (lane.enabled if lane.enabled is not None else remote):
             return None

@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from offpeak.settings import LaneSettings
+from offpeak.lane_settings import LaneSettings
 from workers.planner import StepModel, largest_batch
 from workers.vllm_metrics import Histogram, ServerSnapshot
 

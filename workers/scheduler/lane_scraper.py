@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Protocol
 
-from offpeak.settings import LaneSettings
+from offpeak.lane_settings import LaneSettings
 from workers.vllm_metrics import ServerSnapshot, fetch_text, parse_snapshot
 
 log = logging.getLogger(__name__)
