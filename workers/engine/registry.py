@@ -31,6 +31,7 @@ def load(settings: Settings, name: str) -> Engine:
         engine = InstantEngine(name, config.max_model_len)
     elif config.engine == "remote":
         from workers import lifecycle
+        from workers.engine.fleet import FleetEngine
         from workers.engine.remote import RemoteEngine
         from workers.model_store import ensure_model
 
@@ -38,7 +39,8 @@ def load(settings: Settings, name: str) -> Engine:
         folder = config.path or config.source
         path = ensure_model(name, config, settings.model_cache_dir) if folder else None
         # Waits (with back-off) for the server to answer; only a stop request ends the wait.
-        engine = RemoteEngine.connect(name, config, path, stop=lifecycle.stop_requested)
+        connect = FleetEngine.connect if config.is_fleet else RemoteEngine.connect
+        engine = connect(name, config, path, stop=lifecycle.stop_requested)
     elif config.runner == "pooling":
         from workers.engine.vllm_pooling import VllmPoolingEngine
         from workers.model_store import ensure_model

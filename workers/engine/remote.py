@@ -286,6 +286,14 @@ class RemoteEngine:
     def num_unfinished(self) -> int:
         return len(self._waiting) + len(self._sent)
 
+    def take_unfinished(self) -> list[EngineRequest]:
+        """Every request queued here or at the server, oldest first, dropped from this engine
+        (their HTTP requests cancelled, none gives a result): what a fleet sends to another
+        replica when this one went away."""
+        taken = [sent.request for sent in self._sent.values()] + list(self._waiting)
+        self.abort([r.request_id for r in taken])
+        return taken
+
     def in_flight_ids(self) -> list[str]:
         """Our request ids at the server, oldest first (the lane controller aborts the newest)."""
         return list(self._sent)

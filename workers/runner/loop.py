@@ -46,6 +46,7 @@ from workers.engine_io import LineError
 from workers.planner import StepModel
 from workers.runner import results
 from workers.runner.claims import Claimed, ClaimPipeline
+from workers.runner.fleet_steering import FleetSteering, steering_for
 from workers.runner.gating import LoadGate
 from workers.runner.hand_back import give_back, hand_back_all
 from workers.runner.held import HeldLine, HeldLines
@@ -121,7 +122,9 @@ class Runner:
         self.held = HeldLines()
         #: The batch lane: batch requests in flight at a shared real-time server, steered by
         #: its latencies; ``None`` when off.
-        self.lane = LaneSteering.for_model(
+        self.lane = steering_for(
+            engine,
+            lambda: self.engine,
             self.policy,
             settings.models.get(self.model),
             self.room.max_num_seqs,
@@ -367,7 +370,7 @@ class Runner:
             and not lifecycle.stop_requested()
         )
 
-    def _steer_lane(self, lane: LaneSteering) -> None:
+    def _steer_lane(self, lane: LaneSteering | FleetSteering) -> None:
         """One lane decision: the new limit becomes the engine's slots; running lines above it
         are aborted, newest first (urgent batches' last), and go back to pending."""
         running = {rid: h.row.batch_id for rid, h in self.held.running.items()}
