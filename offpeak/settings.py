@@ -305,6 +305,11 @@ class SchedulerSettings(BaseModel):
     #: seconds from sleep on a GPU) stays under a tenth of the closed time it frees the memory
     #: for, and a gate that flaps shut for a minute or two never pays for one.
     release_after_seconds: float | None = Field(default=300.0, ge=0)
+    #: An in-process engine whose worker has held no line of its model this long frees its
+    #: memory too, gate open or not (an idle model: no batch of it running). ``None`` or 0:
+    #: only while the gate is closed. Off by default: on a pool of its own the memory serves
+    #: nobody else, and the next batch would wait for the reload.
+    release_idle_after_seconds: float | None = Field(default=None, ge=0)
     #: Seconds a new engine replica needs before its first token (pod start and model load), for
     #: ``offpeak_replicas_needed``.
     replica_startup_seconds: float = Field(default=60.0, ge=0)

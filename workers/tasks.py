@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import nullcontext
 
 from offpeak import celery_app
 from offpeak.ids import worker_id
@@ -22,6 +23,7 @@ from workers import worker_metrics as metrics
 from workers.celery_worker import app
 from workers.engine import registry, release
 from workers.engine.base import Engine, EngineFault
+from workers.engine.idle_release import IdleReleaser
 from workers.estimate import estimate_batch
 from workers.finalize import finalize
 from workers.runner import Runner
@@ -47,6 +49,8 @@ def validate_batch(batch_id: str, mark: str | None = None) -> None:
 #: One runner per served model in this process, kept between drain tasks: the gate's hysteresis,
 #: the urgent set and the engine sizing carry over from one drain to the next.
 _runners: dict[str, Runner] = {}
+#: The engine worker's idle-release check (``start_runners``); ``None`` until then.
+_idle: IdleReleaser | None = None
 
 
 def runner_for(settings: Settings, model: str) -> Runner:
@@ -60,9 +64,17 @@ def runner_for(settings: Settings, model: str) -> Runner:
 def start_runners(settings: Settings) -> None:
     """Load each served model's engine and build its runner before the worker takes work
     (``offpeak worker --role engine``), so the first drain starts at once: building a runner
-    looks up the device, which imports torch (about a second) where no engine has yet."""
+    looks up the device, which imports torch (about a second) where no engine has yet. With a
+    releasable engine among them, start the idle-release check (``workers.engine.idle_release``:
+    an engine whose model has no batch running is released too)."""
+    global _idle
     for model in settings.served_models:
         runner_for(settings, model)
+    if _idle is None and any(
+        isinstance(r.engine, release.ReleasableEngine) for r in _runners.values()
+    ):
+        _idle = IdleReleaser(settings, lambda: _runners, settings.sweep_seconds)
+        _idle.start()
 
 
 def _load(settings: Settings, model: str) -> Engine:
@@ -161,17 +173,19 @@ def drain_model(model: str, mark: str | None = None) -> None:
     if waiting:
         task_messages.send_drain(settings, model)
     try:
-        stats = runner_for(settings, model).drain()
+        with _idle.busy(model) if _idle is not None else nullcontext():
+            runner = runner_for(settings, model)
+            stats = runner.drain()
+            if stats.outcome == "yielded":
+                log.info("%s: batch work held back (%s)", model, runner.gate.reason)
+                # The gate may stay closed for long: free the engine's memory for real-time
+                # serving.
+                release.release_if_held_back(runner.engine, runner.gate, settings, time.time())
     except EngineFault as fault:
         recover_engine(settings, model, fault)
         return
     for batch_id in stats.touched:
         task_messages.send_finalize(settings, batch_id)
-    if stats.outcome == "yielded":
-        runner = _runners[model]
-        log.info("%s: batch work held back (%s)", model, runner.gate.reason)
-        # The gate may stay closed for long: free the engine's memory for real-time serving.
-        release.release_if_held_back(runner.engine, runner.gate, settings, time.time())
 
 
 @app.task(name=celery_app.FINALIZE_TASK)

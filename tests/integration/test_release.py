@@ -19,6 +19,7 @@ from tests.support.batches import line_statuses
 from tests.support.scheduler import MetricsEndpoint
 from workers.engine import registry
 from workers.engine.base import EngineRequest, SamplingSpec
+from workers.engine.idle_release import IdleReleaser
 from workers.engine.release import (
     ReleasableEngine,
     releasable,
@@ -146,3 +147,51 @@ def test_a_released_engines_batch_turns_urgent_early_enough_and_runs(
     assert stats.requests == 10 and not engine.released
     assert line_statuses(settings, batch_id) == {"succeeded": 10}
     assert end(settings, sdk, batch_id, ids).status == "completed"
+
+
+def test_an_idle_models_engine_is_released_by_the_workers_own_check(
+    settings: Settings,
+    model: str,
+    tenant: tuple[str, OpenAI],
+    endpoint: MetricsEndpoint,
+    engine: ReleasableEngine,
+) -> None:
+    """The model's only batch ended with the gate open, so no drain comes any more: the
+    worker's check releases the engine once the gate has been closed long enough, leaves it
+    alone while a drain runs, and with ``release_idle_after_seconds`` releases an engine idle
+    that long with the gate open."""
+    name, sdk = tenant
+    settings = with_policy(settings, release_after_seconds=60.0)
+    ids = [f"i{i}" for i in range(3)]
+    batch_id = make_batch(settings, name, [chat(model, i, "Hi", 4) for i in ids], "60s")
+    endpoint.set(waiting=0)
+    runner = Runner(settings, engine, f"w-idle-{secrets.token_hex(2)}",
+                    step_model=StepModel(base_ms=10, per_seq_ms=0))  # fmt: skip
+    assert runner.drain().requests == 3
+    assert end(settings, sdk, batch_id, ids).status == "completed"
+    releaser = IdleReleaser(settings, lambda: {model: runner}, every=60.0)
+    assert releaser.check() == [] and not engine.released, "gate open, idle release off"
+    endpoint.set(waiting=20)  # the gate closes; with no batch, no drain reads it
+    deadline = time.monotonic() + 30
+    while runner.gate.open:
+        assert time.monotonic() < deadline, "the check never read the load"
+        assert releaser.check() == []  # closed for less than release_after_seconds
+        time.sleep(0.2)
+    later = time.time() + 61.0
+    with releaser.busy(model):
+        assert releaser.check(at=later) == [], "a drain holds the engine"
+    assert releaser.check(at=later) == [model]
+    assert engine.released and model not in registry.loaded()
+    # Gate open again, the engine back; idle 31 s past a 30 s idle limit: released again.
+    endpoint.set(waiting=0)
+    engine.restore()
+    idle = IdleReleaser(with_policy(settings, release_idle_after_seconds=30.0),
+                        lambda: {model: runner}, every=60.0)  # fmt: skip
+    now = time.monotonic()
+    assert idle.check(now=now) == [] and not engine.released
+    deadline = time.monotonic() + 30
+    while not runner.gate.open:
+        assert time.monotonic() < deadline, "the check never read the load"
+        idle.check(now=now)
+        time.sleep(0.2)
+    assert idle.check(now=now + 31.0) == [model] and engine.released

