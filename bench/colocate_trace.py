@@ -17,7 +17,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from bench import harness
+from bench import harness, trace_projection
 from bench.colocate import (
     MAX_NUM_SEQS,
     Leg,
@@ -98,7 +98,8 @@ def run(
     timeline plot (skipped, with a message, without matplotlib). ``quick``: two calibration
     sizes and 300 batch lines (a smoke test; pass few ``requests`` too)."""
     lane = lane or Settings().scheduler.lane
-    with co_serving(quick, seed, server_url, lane, 300 if quick else 3000) as bench:
+    # Enough lines that legs (b), (c) and (d) never run out of batch work.
+    with co_serving(quick, seed, server_url, lane, 300 if quick else 6000) as bench:
         shared, step = bench.shared, bench.step
         floor = lane_tpot_model(lane, step.step_seconds(1))
         replay = plan(trace_path, requests, start_s, token_scale, reply_scale, time_scale,
@@ -132,6 +133,14 @@ def run(
             legs[name] = run_leg(name, load_, horizon, leg_settings,
                                  bench.engine if leg_settings else None, step, pre)  # fmt: skip
     result = _result(bench, replay, legs, lane, window_count, seed)
+    whole = read_trace(trace_path)
+    result["gpu_projection"] = trace_projection.project(
+        slice_rate(whole),
+        sum(r.prompt for r in whole) / len(whole),
+        sum(r.reply for r in whole) / len(whole),
+        lane.tpot_ratio,
+        result["harvest_c"],
+    )
     _print(result)
     path = harness.write_result("colocate-trace", result, out_dir)
     harness.console.print(f"wrote {path}")
@@ -262,6 +271,16 @@ def _print(result: dict[str, Any]) -> None:
          "batch tok/s", "bound tok/s"],
         rows,
     )  # fmt: skip
+    g = result.get("gpu_projection")
+    if g:
+        harness.console.print(
+            f"on paper, {g['model']} on one {g['gpu']['name']}, the whole trace unscaled "
+            f"({g['trace']['rate_per_s']:.2f} req/s): real-time load "
+            f"{g['realtime_load_fraction']:.0%}, step {1000 * g['mean_step_alone_s']:.1f} ms "
+            f"alone, lane target {1000 * g['lane_tpot_target_s']:.1f} ms, bound "
+            f"{g['bound_batch_tokens_per_s']:,.0f} batch tokens/s, × measured harvest: "
+            f"{g['projected_batch_tokens_per_s'] or 0:,.0f}"
+        )
     harness.console.print(
         f"harvest (c) = {result['harvest_c']}, windows inside "
         f"{result['windows_inside_share']:.0%} of {result['windows_judged']}, met: {result['met']}"

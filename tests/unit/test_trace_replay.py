@@ -152,3 +152,18 @@ def test_figures_per_window_bounds_and_verdict() -> None:
     }  # fmt: skip
     loose = verdict(Slo(2.5, 2.5), alone, lane)["met"]
     assert loose["c_inside_targets_whole_replay"] and loose["c_inside_targets_ge_90pct_windows"]
+
+
+def test_gpu_projection_scales_the_bound_by_the_measured_harvest() -> None:
+    from bench.trace_projection import project
+
+    low, high = project(2.6, 2048, 28, 1.5, 0.8), project(2.6, 2048, 28, 2.4, None)
+    step = low["step_model_s"]
+    # Llama 3.1 8B bf16 on 3.35 TB/s at 75%: 16 GB of weights read in 6.4 ms a step.
+    assert step["base_s"] == pytest.approx(2 * 8.03e9 / (3.35e12 * 0.75))
+    assert 0 < low["realtime_load_fraction"] < 1
+    assert low["projected_batch_tokens_per_s"] == pytest.approx(
+        0.8 * low["bound_batch_tokens_per_s"]
+    )
+    assert high["bound_batch_tokens_per_s"] > low["bound_batch_tokens_per_s"] > 0
+    assert high["projected_batch_tokens_per_s"] is None
