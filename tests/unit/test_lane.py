@@ -204,3 +204,21 @@ def test_simulated_colocation_lane_keeps_the_floor_the_naive_lane_breaks_it() ->
         assert phase.tpot_p95 is not None and phase.tpot_p95 <= 2.4 * quiet_alone
     assert sum(p.batch_tokens_per_s for p in lane_on.phases) > 0
     assert all((p.tpot_p95 or 0) > 2.4 * quiet_alone for p in naive.phases)
+
+
+def test_an_idle_server_gets_a_line_again_after_the_lane_fell_to_zero() -> None:
+    """A replica with no real-time traffic: its one batch line stalled (no token for an
+    interval), the lane fell to zero; with nothing running there, it starts again."""
+    settings = lane(tpot_p95_ms=40.0, ttft_p95_ms=160.0, learn_seconds=0.0)
+    controller = LaneController(settings, max_num_seqs=8, step_model=StepModel(10.0, 2.0))
+    server = FakeServer()
+    server.realtime = 0
+    assert controller.update(0.0, server.snapshot(0), 0, urgent=False).action == "start"
+    assert controller.limit == 1
+    for t in (1.0, 2.0):  # one line in flight, not one token: stalled
+        server.at = t
+        decision = controller.update(t, server.snapshot(1), 1, urgent=False)
+    assert decision.action == "decrease" and controller.limit == 0
+    server.at = 3.0
+    decision = controller.update(3.0, server.snapshot(0), 0, urgent=False)
+    assert decision.action == "increase" and controller.limit == 1

@@ -312,12 +312,15 @@ class LaneController:
                 self._changed_at = snapshot.at
             return self._decide(previous, "decrease", "; ".join(breaches), *args)
         below = 1.0 - s.hold_band
+        # Nothing running or waiting and no line of ours: no token to measure and no one to
+        # protect (a replica without real-time traffic); the lane may start again.
+        idle = in_flight == 0 and round(snapshot.running) == 0 and snapshot.waiting == 0
         inside = (
             tpot is not None
             and tpot <= below * tpot_target
             and (ttft is None or ttft_target is None or ttft <= below * ttft_target)
             and (request_tpot is None or rq_target is None or request_tpot <= below * rq_target)
-        )
+        ) or (idle and tpot is None)
         if self.limit > room:
             self.limit = max(floor, room)
             self._changed_at = snapshot.at
@@ -329,7 +332,7 @@ class LaneController:
         self.limit = max(self.limit, floor)
         reason = (
             "too few samples"
-            if tpot is None
+            if tpot is None and not inside
             else "lane not using its limit"
             if inside
             else "inside the hold band"

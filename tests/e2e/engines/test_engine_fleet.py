@@ -122,7 +122,6 @@ def fleet_env(
             # Latency targets out of reach: free slots and real-time waiting decide here.
             "OFFPEAK_SCHEDULER__LANE__ENABLED": "true",
             "OFFPEAK_SCHEDULER__LANE__LEARN_SECONDS": "3",
-            "OFFPEAK_SCHEDULER__LANE__CONTROL_SECONDS": "1",
             "OFFPEAK_SCHEDULER__LANE__TPOT_P95_MS": "60000",
             "OFFPEAK_SCHEDULER__LANE__TTFT_P95_MS": "600000",
         }
