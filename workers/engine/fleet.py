@@ -188,7 +188,11 @@ class FleetEngine:
     def _try_join(self, url: str) -> None:
         self._probing.add(url)
         try:
-            self._joined.put(self._build(url))
+            engine = self._build(url)
+            if self._stop.is_set():  # the fleet closed while the replica answered
+                engine.close()
+                return
+            self._joined.put(engine)
         except (httpx.HTTPError, ValueError, OSError) as exc:
             log.debug("%s: replica %s not joining: %s", self.model_name, url, exc)
             self._probing.discard(url)
