@@ -349,8 +349,12 @@ class ServiceProcesses:
         for role in self.roles:
             self.start_worker(role)
 
-    def start_worker(self, role: str, name: str | None = None) -> None:
-        self._spawn(name or role, ["worker", "--role", role])
+    def start_worker(self, role: str, name: str | None = None, models: str | None = None) -> None:
+        """Start ``offpeak worker --role ROLE`` as process ``name``, serving ``models``
+        (comma-separated) or every served model."""
+        self._spawn(
+            name or role, ["worker", "--role", role, *(["--models", models] if models else [])]
+        )
 
     @property
     def base_url(self) -> str:
