@@ -119,6 +119,11 @@ def tenant_for_key(db: Executor, key: str) -> Tenant | None:
     return tenant
 
 
+def forget_cached() -> None:
+    """Forget every key's cached tenant in this process (a tenant's rate limit changed)."""
+    _cache.clear()
+
+
 def list_keys(session: Session, tenant_name: str | None = None) -> list[tuple[ApiKey, str]]:
     """``(key, tenant name)`` for every key (or one tenant's), revoked ones included; a key is
     shown by its id and first characters (``prefix``), never in full (only its hash is kept)."""

@@ -19,7 +19,6 @@ from api.errors import QuotaExceeded
 from offpeak import tenant_limits
 from offpeak.settings import Settings
 from offpeak.tenant_limits import TenantLimits
-from storage.db import Executor
 from storage.models import Tenant
 from storage.repositories import quotas as quotas_repo
 
@@ -78,7 +77,8 @@ def figures(limits: TenantLimits, use: quotas_repo.TenantUse) -> dict[str, Any]:
     }
 
 
-def of_tenant(db: Executor, settings: Settings, tenant: Tenant) -> dict[str, Any]:
+def of_tenant(session: Session, settings: Settings, tenant_id: str) -> dict[str, Any]:
     """``figures`` of one tenant (``GET /v1/limits``)."""
-    use = quotas_repo.use_of(db, [tenant.id])[tenant.id]
+    tenant = session.get(Tenant, tenant_id)
+    use = quotas_repo.use_of(session, [tenant_id])[tenant_id]
     return figures(tenant_limits.resolve(tenant, settings.limits), use)
