@@ -10,8 +10,8 @@ Shared by every API process through the broker's Redis (one Lua script per reque
 and the update are one atomic step, with Redis's clock, so API hosts need not agree on the
 time). Without a Redis broker (the embedded default: kombu's filesystem transport) each API
 process keeps its own table, so on one machine with ``api_workers`` processes a key may get up
-to that many times its limit. If Redis cannot be reached the request passes (logged): a rate
-limit must not take the API down with the broker.
+to that many times its limit. While Redis cannot be reached each process falls back to its own
+table (logged): a rate limit must neither take the API down with the broker nor lapse.
 
 The answers carry OpenAI's headers (``x-ratelimit-limit-requests``,
 ``x-ratelimit-remaining-requests``, ``x-ratelimit-reset-requests``, the reset as a duration
@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 PERIOD_MS = 60_000
 #: Keys the in-process table remembers at most (least recently used go first).
 MEMORY_TABLE_SIZE = 100_000
+#: Redis connections per API process and event loop.
+POOL_CONNECTIONS = 32
 #: Seconds between two warnings that Redis cannot be reached.
 WARN_EVERY_SECONDS = 60.0
 
@@ -145,6 +147,7 @@ class RedisLimiter:
         # (an app served by several loops in turn, as test clients do, gets one each).
         self._clients: dict[int, tuple[asyncio.AbstractEventLoop, Any, Any]] = {}
         self._warned_at = 0.0
+        self._fallback = MemoryLimiter()
 
     def _script(self) -> Any:
         loop = asyncio.get_running_loop()
@@ -152,7 +155,12 @@ class RedisLimiter:
         if entry is None or entry[0] is not loop:
             import redis.asyncio
 
-            client = redis.asyncio.Redis.from_url(self.url, socket_timeout=2.0)
+            # Requests beyond the pool's connections wait for one rather than fail: a flood
+            # from one key queues here for microseconds each instead of passing unchecked.
+            pool = redis.asyncio.BlockingConnectionPool.from_url(
+                self.url, max_connections=POOL_CONNECTIONS, timeout=2.0, socket_timeout=2.0
+            )
+            client = redis.asyncio.Redis(connection_pool=pool)
             entry = (loop, client, client.register_script(_GCRA))
             self._clients[id(loop)] = entry
         return entry[2]
@@ -167,8 +175,8 @@ class RedisLimiter:
         except Exception as exc:  # the broker down must not take the API with it
             if time.monotonic() - self._warned_at > WARN_EVERY_SECONDS:
                 self._warned_at = time.monotonic()
-                log.warning("rate limit not applied, Redis unreachable: %s", exc)
-            return Verdict(True, limit, limit, 0, 0)
+                log.warning("rate limit kept per process, Redis unreachable: %s", exc)
+            return await self._fallback.check(key, limit)
         return _verdict(bool(allowed), limit, int(reset_ms), int(retry_ms))
 
 
