@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 import openai
+import orjson
 import pytest
 from fastapi.testclient import TestClient
 from openai import OpenAI
@@ -21,12 +22,13 @@ from api.services import files as files_service
 from api.services import keys
 from api.services import tenants as tenants_service
 from offpeak import enqueued
+from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import ModelConfig, Settings
 from storage.blobs import get_blob_store
 from storage.db import session_scope
 from storage.repositories import batches as batches_repo
 from storage.repositories import quotas as quotas_repo
-from tests.support.batches import line
+from tests.support.batches import chat_line, line, submit, wait_for_end
 from workers.validation import run_validation
 
 #: A model only these tests name, so no live engine worker runs their batches.
@@ -282,3 +284,28 @@ def test_an_unknown_input_file_with_an_idempotency_key_creates_one_batch(
     assert again.headers["Idempotent-Replayed"] == "true"
     assert again.parse().id == first.parse().id
     assert [b.id for b in sdk.batches.list().data] == [first.parse().id]
+
+
+def test_a_completed_batch_gives_its_tokens_back(
+    instant_sdk: OpenAI, instant_stack: ServiceProcesses, instant_settings: Settings
+) -> None:
+    lines = [chat_line(f"c{i}", "Hello there", max_tokens=8) for i in range(4)]
+    tokens = sum(
+        enqueued.line_tokens("/v1/chat/completions", orjson.loads(raw)["body"], len(raw), 2048)
+        for raw in lines
+    )
+    with session_scope(instant_settings.resolved_database_url) as session:
+        tenant = keys.tenant_for_key(session, instant_sdk.api_key)
+        assert tenant is not None
+        tenants_service.set_overrides(
+            session, instant_settings, tenant.id, {"max_enqueued_tokens": tokens}
+        )
+    for _ in range(2):  # the second fits only once the first has given its tokens back
+        batch = wait_for_end(instant_sdk, submit(instant_sdk, lines).id, instant_stack)
+        assert batch.status == "completed" and batch.request_counts.completed == 4
+        limits = instant_sdk.get("/limits", cast_to=object)
+        assert limits["enqueued_tokens"] == {"limit_per_model": tokens, "by_model": {}}  # type: ignore[index]
+    more = [*lines, chat_line("c4", "Hello there", max_tokens=8)]
+    over = wait_for_end(instant_sdk, submit(instant_sdk, more).id, instant_stack)
+    assert over.status == "failed" and over.errors and over.errors.data
+    assert over.errors.data[0].code == "token_limit_exceeded"
