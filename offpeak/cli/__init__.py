@@ -26,6 +26,7 @@ from offpeak.cli.sched import (
     simulate_colocate_command,
     simulate_day_command,
 )
+from offpeak.cli.tenants import tenants_app
 from offpeak.cli.webhooks import webhooks_app
 from offpeak.settings import get_settings
 
@@ -36,6 +37,7 @@ app.add_typer(plan_app, name="plan")
 app.add_typer(simulate_app, name="simulate")
 app.add_typer(bench_app, name="bench")
 app.add_typer(webhooks_app, name="webhooks")
+app.add_typer(tenants_app, name="tenants")
 console = Console()
 
 
@@ -323,15 +325,18 @@ def usage_command(
     days: Annotated[int, typer.Option(help="Batches that ended in the last DAYS days.")] = 30,
     group_by: Annotated[str, typer.Option(help="model, day or none.")] = "model",
 ) -> None:
-    """What this key's tenant was billed: requests, tokens, GPU-seconds, cost, price, saving."""
+    """What this key's tenant was billed: requests, tokens, GPU-seconds, cost, price, saving;
+    then its quotas and rate limit beside its use of them."""
     import time
 
     from offpeak.cli import client as client_tools
 
     end = int(time.time()) + 1
     grouping = None if group_by == "none" else group_by
-    report = client_tools.usage(_client(), end - days * 86_400, end, grouping)
+    client = _client()
+    report = client_tools.usage(client, end - days * 86_400, end, grouping)
     client_tools.print_usage(report, console)
+    client_tools.print_limits(client_tools.limits(client), console)
 
 
 @app.command()

@@ -288,6 +288,34 @@ def usage(
     return report
 
 
+def limits(client: OpenAI) -> dict[str, Any]:
+    """``GET /v1/limits``: the tenant's quotas and rate limit beside its use of them."""
+    report = client.get("/limits", cast_to=object)
+    assert isinstance(report, dict)
+    return report
+
+
+def print_limits(report: dict[str, Any], console: Console) -> None:
+    """The tenant's limits as a table: used of limit (``none``: no limit), one row each and
+    one per model holding enqueued tokens."""
+    table = Table(title="limits", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1))
+    table.add_column("", no_wrap=True)
+    table.add_column("used", justify="right", no_wrap=True)
+    table.add_column("limit", justify="right", no_wrap=True)
+
+    def shown(limit: int | None) -> str:
+        return "none" if limit is None else f"{limit:,}"
+
+    tokens = report["enqueued_tokens"]
+    for model, held in sorted(tokens["by_model"].items()) or [("(any model)", 0)]:
+        table.add_row(f"enqueued tokens, {model}", f"{held:,}", shown(tokens["limit_per_model"]))
+    for name, label in (("batches_in_progress", "batches in progress"),
+                        ("stored_bytes", "stored file bytes")):  # fmt: skip
+        table.add_row(label, f"{report[name]['used']:,}", shown(report[name]["limit"]))
+    table.add_row("requests per minute, per key", "", shown(report["requests_per_minute"]["limit"]))
+    console.print(table)
+
+
 def format_count(n: int) -> str:
     """A token count in at most 6 characters: exact up to 9,999, then 3 significant digits
     with k, M or B (``12.3k``, ``1.23M``); the exact counts are in ``GET /v1/usage``."""
