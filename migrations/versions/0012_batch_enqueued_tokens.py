@@ -1,7 +1,7 @@
 """batch enqueued tokens: batches.enqueued_tokens, the prompt + requested output tokens of a
 batch's lines counted at validation, against which the enqueued-token quota is checked
 
-Revision ID: 0013
+Revision ID: 0012
 Revises: 0011
 Create Date: 2026-12-04 17:30:00.000000
 """
@@ -9,7 +9,7 @@ Create Date: 2026-12-04 17:30:00.000000
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0013"
+revision = "0012"
 down_revision = "0011"
 branch_labels = None
 depends_on = None
