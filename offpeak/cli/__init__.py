@@ -212,7 +212,8 @@ def up(
     ] = None,
 ) -> None:
     """Run the whole service on this machine: migrate, then the API, a control worker and the
-    engine workers as child processes. A process that exits is restarted (backoff 1, 2, 4 ... 60
+    engine workers as child processes. Exits 1 at once, starting nothing, when the API's port is
+    taken (naming what holds it). A process that exits is restarted (backoff 1, 2, 4 ... 60
     s) and the restart logged; Ctrl-C or SIGTERM stops them all, vLLM's engine-core included
     (a second Ctrl-C kills them at once)."""
     import logging
@@ -221,8 +222,15 @@ def up(
 
     from offpeak.cli.supervisor import Supervisor, up_children
 
+    from offpeak.cli.port_check import PortTakenError, ensure_free
+
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = get_settings()
+    try:  # before anything starts: a taken port made the API restart forever beside workers
+        ensure_free(host or settings.api_host, port or settings.api_port)
+    except PortTakenError as exc:
+        Console(stderr=True).print(f"[red]offpeak up: {exc}[/red]", soft_wrap=True)
+        raise typer.Exit(1) from None
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     folder = log_dir or settings.data_dir.resolve() / "logs"
     migrated = subprocess.run([sys.executable, "-m", "offpeak", "migrate"], check=False)
