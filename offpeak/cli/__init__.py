@@ -220,9 +220,8 @@ def up(
     import subprocess
     import sys
 
-    from offpeak.cli.supervisor import Supervisor, up_children
-
     from offpeak.cli.port_check import PortTakenError, ensure_free
+    from offpeak.cli.supervisor import Supervisor, up_children
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = get_settings()
@@ -292,30 +291,18 @@ def submit(
 
 
 def wait_and_exit(batch_id: str, model: str | None) -> None:
-    """Show progress until the batch ends, print its summary, and exit with its outcome
-    (``exit_codes.FOR_STATUS``: 0 completed, 3 failed, 4 expired, 5 cancelled), saying on
-    stderr why when it is not 0."""
-    from rich.text import Text
+    """``offpeak.cli.watching.wait_and_exit`` with this CLI's client and console."""
+    from offpeak.cli import watching
 
-    from offpeak.cli import client as client_tools
-    from offpeak.cli import exit_codes
+    watching.wait_and_exit(_client(), batch_id, model, console)
 
-    # Warnings go to stderr (inside the progress display on a terminal), never failing.
-    stderr = Console(stderr=True)
-    batch = client_tools.wait_with_progress(
-        _client(),
-        batch_id,
-        console,
-        model=model,
-        warn=lambda message: stderr.print(
-            Text.assemble(("warning: ", "yellow"), message), soft_wrap=True
-        ),
-    )
-    client_tools.print_summary(batch, console)
-    code = exit_codes.FOR_STATUS.get(batch.status, exit_codes.ERROR)
-    if code != exit_codes.OK:
-        stderr.print(f"batch {batch.id} ended {batch.status} (exit {code})")
-        raise typer.Exit(code)
+
+@app.command()
+def watch(batch_id: str) -> None:
+    """Show an existing batch's progress until it ends, as ``submit --wait`` does, and exit with
+    its outcome (0 completed, 3 failed, 4 expired, 5 cancelled; 130 after Ctrl-C, which stops
+    the watching, not the batch)."""
+    wait_and_exit(batch_id, None)
 
 
 @app.command()

@@ -3,8 +3,6 @@ a user's own code would talk to Offpeak."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,21 +11,10 @@ from openai import APIError, OpenAI
 from openai.types import Batch
 from rich import box
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    Progress,
-    ProgressColumn,
-    Task,
-    TextColumn,
-)
 from rich.table import Table
-from rich.text import Text
 
 from offpeak.billing import format_usd
 from offpeak.statuses import BatchStatus
-
-#: Seconds between two reads of ``/healthz`` while waiting (each may warn once).
-HEALTH_EVERY_SECONDS = 10.0
 
 
 def first_url(path: Path) -> str:
@@ -107,114 +94,6 @@ def submit(
         completion_window=window,  # type: ignore[arg-type]
         metadata=metadata,
     )
-
-
-class _EtaColumn(ProgressColumn):
-    """Time left to the server's ``estimated_completion_at`` (the scheduler's estimate from
-    the engine's measured pace), rather than rich's guess from the bar's speed, which is
-    wrong while a chunk decodes and no line has finished yet."""
-
-    def render(self, task: Task) -> Text:
-        eta = task.fields.get("eta")
-        if eta is None:
-            return Text("ETA -:--:--", style="progress.remaining")
-        left = max(int(eta - time.time()), 0)
-        return Text(
-            f"ETA {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}", "progress.remaining"
-        )
-
-
-def progress_position(batch: Batch, at: float) -> float:
-    """Where the bar stands, in request lines: the finished lines, moved on while lines run by
-    the share of the time between ``in_progress_at`` and the server's ``estimated_completion_at``
-    that has passed (never past the last unfinished line, so only a finished batch shows 100%).
-    The API shows a line's tokens once it finishes (results are written every second); until
-    then the ETA is what it knows about running lines."""
-    counts = batch.request_counts
-    total = counts.total if counts else 0
-    done = (counts.completed + counts.failed) if counts else 0
-    if batch.status in BatchStatus.FINAL or not total or done >= total:
-        return float(done)
-    eta = (batch.model_extra or {}).get("estimated_completion_at")
-    began = batch.in_progress_at
-    if eta is None or began is None or eta <= began:
-        return float(done)
-    share = min(max((at - began) / (eta - began), 0.0), 1.0)
-    return min(max(float(done), share * total), total - 0.5)
-
-
-def wait_with_progress(
-    client: OpenAI,
-    batch_id: str,
-    console: Console,
-    poll: float = 1.0,
-    *,
-    model: str | None = None,
-    warn: Callable[[str], None] | None = None,
-) -> Batch:
-    """Poll until the batch ends, with a progress bar of request lines (``progress_position``:
-    finished lines, moving with the server's ETA while lines run), the finished count, output
-    tokens/s since the first poll and the time left to ``estimated_completion_at``.
-
-    With ``warn``, reads ``/healthz`` every ``HEALTH_EVERY_SECONDS`` while the batch runs and
-    calls ``warn`` (once per kind) when no live engine worker serves the batch's model (the
-    server's, else ``model``) or no control worker is alive. It never fails the wait."""
-    warned: set[str] = set()
-    next_health = 0.0
-    # 80 columns: the batch id is printed above by ``submit``; elapsed time is left out.
-    columns = (
-        BarColumn(bar_width=20),
-        TextColumn("{task.fields[finished]}"),
-        TextColumn("{task.fields[detail]}"),
-        _EtaColumn(),
-    )
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task(batch_id, total=None, detail="", finished="", eta=None)
-        started = time.monotonic()
-        first_tokens: int | None = None
-        while True:
-            batch = client.batches.retrieve(batch_id)
-            counts = batch.request_counts
-            done = (counts.completed + counts.failed) if counts else 0
-            tokens = batch.usage.output_tokens if batch.usage else 0
-            # Tokens since the first poll: a batch already half done when we attach would
-            # otherwise show an inflated rate.
-            first_tokens = tokens if first_tokens is None else first_tokens
-            rate = (tokens - first_tokens) / max(time.monotonic() - started, 1e-9)
-            ended = batch.status in BatchStatus.FINAL
-            progress.update(
-                task,
-                total=(counts.total or None) if counts else None,
-                completed=progress_position(batch, time.time()),
-                finished=f"{done}/{counts.total if counts else '?'}",
-                detail=f"{batch.status} · {tokens:,} out tok · {rate:,.0f} tok/s",
-                eta=None if ended else (batch.model_extra or {}).get("estimated_completion_at"),
-            )
-            if ended:
-                return _billed(client, batch, poll)
-            if warn is not None and time.monotonic() >= next_health:
-                next_health = time.monotonic() + HEALTH_EVERY_SECONDS
-                answer = health(client)
-                batch_model = getattr(batch, "model", None) or model
-                for kind, message in liveness_warnings(answer or {}, batch_model).items():
-                    if kind not in warned:
-                        warned.add(kind)
-                        warn(message)
-            time.sleep(poll)
-
-
-def _billed(client: OpenAI, batch: Batch, poll: float, tries: int = 10) -> Batch:
-    """The ended batch once its bill is written (Offpeak bills right after the final status
-    commits), so the summary shows the price billed rather than the estimate; gives up after
-    ``tries`` polls (another server, or billing left to the sweep)."""
-    extra = batch.model_extra or {}
-    for _ in range(tries):
-        if "billed_at" not in extra or extra["billed_at"] is not None:
-            break
-        time.sleep(min(poll, 0.5))
-        batch = client.batches.retrieve(batch.id)
-        extra = batch.model_extra or {}
-    return batch
 
 
 def print_summary(batch: Batch, console: Console) -> None:
