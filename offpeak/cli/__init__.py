@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from offpeak.cli import batch_commands
+from offpeak.cli import batch_commands, help_text
 from offpeak.cli.bench import bench_app
 from offpeak.cli.plan import calibrate_command, plan_app, simulate_app
 from offpeak.cli.sched import (
@@ -258,13 +258,16 @@ def keys_create(
     typer.echo(key)
 
 
+def _base_url() -> str:
+    settings = get_settings()
+    return os.environ.get("OPENAI_BASE_URL") or f"http://{settings.api_host}:{settings.api_port}/v1"
+
+
 def _client():  # type: ignore[no-untyped-def]
     from openai import OpenAI
 
     settings = get_settings()
-    base_url = (
-        os.environ.get("OPENAI_BASE_URL") or f"http://{settings.api_host}:{settings.api_port}/v1"
-    )
+    base_url = _base_url()
     api_key = os.environ.get("OPENAI_API_KEY") or settings.local_api_key
     if not api_key:
         raise typer.BadParameter("set OPENAI_API_KEY (see `offpeak keys create`)")
@@ -284,6 +287,11 @@ def submit(
     --wait, warns on stderr when no live worker can run the batch (from the server's /healthz)."""
     from offpeak.cli import client as client_tools
 
+    if not client_tools.has_content(file):
+        Console(stderr=True, soft_wrap=True).print(
+            f"{file} is empty: there is no request line to submit"
+        )
+        raise typer.Exit(1)
     batch = client_tools.submit(_client(), file, endpoint, window)
     console.print(f"batch [bold]{batch.id}[/bold] created ({batch.status})")
     if wait:
@@ -425,4 +433,21 @@ def main() -> None:
         except Exception:  # not our error shape (a proxy's page): show the status only
             message = exc.response.text[:200]
         console.print(f"[red]error {exc.status_code}: {message}[/red]", soft_wrap=True)
+        hint = _base_url_hint(exc.status_code, _base_url())
+        if hint:
+            console.print(hint, soft_wrap=True)
         raise SystemExit(exit_codes.ERROR) from None
+
+
+def _base_url_hint(status_code: int, base_url: str) -> str | None:
+    """For a 404 from a base URL that does not end in ``/v1`` (the OpenAI SDK appends the
+    route, e.g. ``/batches``, to it): the URL to try instead."""
+    if status_code != 404 or base_url.rstrip("/").endswith("/v1"):
+        return None
+    return (
+        f"hint: OPENAI_BASE_URL is {base_url}; Offpeak's routes are under /v1, so it should "
+        f"likely be {base_url.rstrip('/')}/v1"
+    )
+
+
+help_text.unwrap_all(app)

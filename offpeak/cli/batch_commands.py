@@ -102,9 +102,19 @@ def estimate_command(
     print_estimate(estimate, console)
     if unusable:
         errors.print(
-            f"warning: {unusable} lines are not request lines of this model and endpoint "
+            f"warning: {not_request_lines(unusable)} of this model and endpoint "
             "(validation would fail the batch)"
         )
+
+
+def not_request_lines(numbers: list[int], shown: int = 10) -> str:
+    """``line 4 is not a request line`` / ``3 lines are not request lines: 2, 5, 9`` (the first
+    ``shown`` numbers, then how many more)."""
+    if len(numbers) == 1:
+        return f"line {numbers[0]:,} is not a request line"
+    listed = ", ".join(f"{n:,}" for n in numbers[:shown])
+    more = f" and {len(numbers) - shown:,} more" if len(numbers) > shown else ""
+    return f"{len(numbers):,} lines are not request lines: {listed}{more}"
 
 
 def print_estimate(estimate: dict, console: Console) -> None:  # type: ignore[type-arg]

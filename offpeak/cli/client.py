@@ -32,6 +32,12 @@ def first_url(path: Path) -> str:
     return "/v1/chat/completions"
 
 
+def has_content(path: Path) -> bool:
+    """Whether the file holds anything but whitespace (and a byte-order mark)."""
+    with path.open("rb") as handle:
+        return any(raw.strip().removeprefix(b"\xef\xbb\xbf").strip() for raw in handle)
+
+
 def first_model(path: Path) -> str | None:
     """The ``body.model`` of the file's first request line, or None if it has none."""
     with path.open("rb") as handle:
@@ -105,14 +111,14 @@ def print_summary(batch: Batch, console: Console) -> None:
         ("endpoint", batch.endpoint),
         (
             "requests",
-            f"{counts.total} total, {counts.completed} completed, {counts.failed} failed"
+            f"{counts.total:,} total, {counts.completed:,} completed, {counts.failed:,} failed"
             if counts
             else "-",
         ),
         (
             "tokens",
-            f"{usage.input_tokens} in ({usage.input_tokens_details.cached_tokens} cached), "
-            f"{usage.output_tokens} out"
+            f"{usage.input_tokens:,} in ({usage.input_tokens_details.cached_tokens:,} cached), "
+            f"{usage.output_tokens:,} out"
             if usage
             else "-",
         ),
@@ -131,10 +137,18 @@ def print_summary(batch: Batch, console: Console) -> None:
             )
         )
     for error in (batch.errors.data if batch.errors and batch.errors.data else [])[:10]:
-        rows.append(("error", f"line {error.line}: {error.code}: {error.message}"))
+        rows.append(("error", describe_error(error.line, error.code, error.message)))
     for key, value in rows:
         table.add_row(key, str(value) if value is not None else "-")
     console.print(table)
+
+
+def describe_error(line: int | None, code: str | None, message: str | None) -> str:
+    """One of a batch's ``errors.data`` for a person: the message first, its line when it has
+    one, the code last (``The input file holds no request lines. (empty_file)``)."""
+    where = f"line {line:,}: " if line is not None else ""
+    said = message or code or "error"
+    return f"{where}{said}" + (f" ({code})" if code and message else "")
 
 
 def _money_rows(batch: Batch) -> list[tuple[str, Any]]:
