@@ -40,11 +40,25 @@ console = Console()
 
 
 @app.command()
-def migrate() -> None:
-    """Create or upgrade the database schema (Alembic ``upgrade head``)."""
+def migrate(
+    create: Annotated[
+        bool,
+        typer.Option("--create", help="Make a new, empty embedded database if there is none."),
+    ] = False,
+) -> None:
+    """Create or upgrade the database schema (Alembic ``upgrade head``).
+
+    With the embedded SQLite database and OFFPEAK_DATA_DIR unset (the default ``.offpeak``
+    folder of the current directory), a new database is made only with --create: run from
+    another folder, migrate would otherwise start an empty one there. Exits 1 saying so."""
     import migrations
+    from offpeak.cli import embedded_db
 
     settings = get_settings()
+    refusal = embedded_db.new_database_refusal(settings, create)
+    if refusal:
+        Console(stderr=True, soft_wrap=True).print(f"[red]{refusal}[/red]")
+        raise typer.Exit(1)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     migrations.upgrade(settings.resolved_database_url)
     from sqlalchemy.engine import make_url
@@ -391,16 +405,9 @@ def _database_folder_problem(exc: Exception) -> str | None:
     ``offpeak migrate`` yet), naming the folder; ``None`` for any other database error."""
     if "unable to open database file" not in str(exc):
         return None
-    settings = get_settings()
-    url = settings.resolved_database_url
-    folder = Path(url.removeprefix("sqlite:///")).parent if url.startswith("sqlite:") else None
-    where = f"the folder {folder} does not exist" if folder and not folder.is_dir() else str(url)
-    return (
-        f"cannot open the embedded database: {where} (OFFPEAK_DATA_DIR="
-        f"{os.environ.get('OFFPEAK_DATA_DIR', '.offpeak')!r}, from {Path.cwd()}); run from the "
-        "folder you started Offpeak in, set OFFPEAK_DATA_DIR to an absolute path, or run "
-        "`offpeak migrate` to create it"
-    )
+    from offpeak.cli import embedded_db
+
+    return embedded_db.open_failure(get_settings())
 
 
 def main() -> None:
