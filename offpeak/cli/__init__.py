@@ -166,8 +166,9 @@ def worker(
         unknown = [m for m in settings.served_models if m not in settings.models]
         if unknown:
             raise typer.BadParameter(f"not configured: {', '.join(unknown)}", param_hint="--models")
-        from workers import tasks
+        from workers import liveness, tasks
 
+        liveness.announce_loading(settings, settings.served_models)  # no alarm while it loads
         tasks.start_runners(settings)  # engines loaded, runners built: a drain starts at once
         from storage import task_messages
         from storage.db import session_scope

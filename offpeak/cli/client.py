@@ -73,7 +73,7 @@ def liveness_warnings(answer: dict[str, Any], model: str | None) -> dict[str, st
     if answer.get("database") != "ok":
         return out  # nothing is known about the workers
     for row in answer.get("models") or []:
-        if model is not None and row.get("model") == model and not row.get("engine_workers"):
+        if model is not None and row.get("model") == model and row.get("message"):
             message = row.get("message") or f"no engine worker serving {model}"
             out["engine"] = f"{message}; the batch waits until one runs (`offpeak worker`)"
     roles = [str(w.get("role", "")).split(",") for w in answer.get("workers") or []]
