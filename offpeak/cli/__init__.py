@@ -236,7 +236,7 @@ def up(
     import sys
 
     from offpeak.cli.port_check import PortTakenError, ensure_free
-    from offpeak.cli.supervisor import Supervisor, up_children
+    from offpeak.cli.supervisor import Supervisor, host_engines, up_children
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = get_settings()
@@ -256,7 +256,7 @@ def up(
         f"Offpeak up: API on http://{host or settings.api_host}:{shown_port}/v1 · "
         f"{', '.join(c.name for c in children)} · logs in {folder} · Ctrl-C stops everything"
     )
-    raise typer.Exit(Supervisor(children, {}, folder).run())
+    raise typer.Exit(Supervisor(children, host_engines(engines, models), folder).run())
 
 
 @keys_app.command("create")
