@@ -20,8 +20,8 @@ from api.schemas.batches import CreateBatch
 from api.services import batches as batches_service
 from api.services import files as files_service
 from api.services import keys
-from offpeak.cli import demo
 from offpeak.cli.client import read_lines
+from offpeak.cli.demo import QUICKSTART
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import Settings
 from storage.blobs import get_blob_store
@@ -33,8 +33,6 @@ from workers.validation import run_validation
 #: Input cases from users' bug reports, copied from the workspace's shared/cases so a clone
 #: carries them; OFFPEAK_CASES_DIR points the tests at another copy.
 CASES = Path(os.environ.get("OFFPEAK_CASES_DIR", Path(__file__).resolve().parents[1] / "cases"))
-#: The README's example batch: chat and completions lines.
-QUICKSTART = demo.QUICKSTART
 #: The default model, as the end-to-end tests' lines name it.
 MODEL = "SmolLM2-135M-Instruct"
 ENDED = ("completed", "failed", "expired", "cancelled")
