@@ -21,7 +21,7 @@ from api.services import batches as batches_service
 from api.services import files as files_service
 from api.services import keys
 from offpeak.cli.client import read_lines
-from offpeak.cli.demo import QUICKSTART
+from offpeak.cli.demo import QUICKSTART as QUICKSTART  # the README's example batch
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import Settings
 from storage.blobs import get_blob_store
