@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from offpeak.cli import batch_commands, help_text
+from offpeak.cli import batch_commands, help_text, keys
 from offpeak.cli.bench import bench_app
 from offpeak.cli.plan import calibrate_command, plan_app, simulate_app
 from offpeak.cli.sched import (
@@ -259,20 +259,6 @@ def up(
     raise typer.Exit(Supervisor(children, host_engines(engines, models), folder).run())
 
 
-@keys_app.command("create")
-def keys_create(
-    tenant: Annotated[str, typer.Option(help="Tenant name (created if new).")],
-    name: Annotated[str | None, typer.Option(help="A label for the key.")] = None,
-) -> None:
-    """Make an API key for a tenant and print it (shown once; only its hash is stored)."""
-    from api.services import keys
-    from storage.db import session_scope
-
-    with session_scope(get_settings().resolved_database_url) as session:
-        key = keys.create_key(session, tenant, name)
-    typer.echo(key)
-
-
 def _base_url() -> str:
     settings = get_settings()
     return os.environ.get("OPENAI_BASE_URL") or f"http://{settings.api_host}:{settings.api_port}/v1"
@@ -389,8 +375,9 @@ app.command("list")(batch_commands.list_command)
 app.command("cancel")(batch_commands.cancel_command)
 app.command("retry")(batch_commands.retry_command)
 app.command("estimate")(batch_commands.estimate_command)
-keys_app.command("list")(batch_commands.keys_list_command)
-keys_app.command("revoke")(batch_commands.keys_revoke_command)
+keys_app.command("create")(keys.create_command)
+keys_app.command("list")(keys.list_command)
+keys_app.command("revoke")(keys.revoke_command)
 keys_app.command("new-secret-key")(batch_commands.keys_new_secret_key_command)
 keys_app.command("reseal")(batch_commands.keys_reseal_command)
 app.command("calibrate")(calibrate_command)
