@@ -24,8 +24,6 @@ from offpeak.statuses import BatchStatus
 
 #: Seconds between two reads of ``/healthz`` while waiting (each may warn once).
 HEALTH_EVERY_SECONDS = 10.0
-#: Exit code after Ctrl-C (128 + SIGINT, what a shell reports).
-INTERRUPTED = 130
 
 
 class _EtaColumn(ProgressColumn):
@@ -200,7 +198,7 @@ def wait_and_exit(client: OpenAI, batch_id: str, model: str | None, console: Con
         )
     except KeyboardInterrupt:
         stderr.print(resume_hint(batch_id))
-        raise typer.Exit(INTERRUPTED) from None
+        raise typer.Exit(exit_codes.INTERRUPTED) from None
     client_tools.print_summary(batch, console)
     hint = failed_lines_hint(batch)
     if hint:
