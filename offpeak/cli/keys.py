@@ -44,12 +44,12 @@ class AdminApi:
             raise typer.Exit(exit_codes.USAGE)
         root = base_url.rstrip("/").removesuffix("/v1")
         self.http = httpx.Client(
-            base_url=f"{root}/v1/admin/keys",
+            base_url=f"{root}/v1/admin",
             headers={"Authorization": f"Bearer {key}"},
             timeout=30,
         )
 
-    def call(self, method: str, path: str = "", **kwargs: Any) -> Any:
+    def call(self, method: str, path: str = "/keys", **kwargs: Any) -> Any:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
@@ -125,7 +125,7 @@ def revoke_command(
     """Revoke a key by its id (``offpeak keys list`` shows ids): the API answers it 401 within
     5 s (each API process caches keys that long). Revoking it again changes nothing."""
     if admin_url:
-        answer = AdminApi(admin_url).call("POST", f"/{key_id}/revoke")
+        answer = AdminApi(admin_url).call("POST", f"/keys/{key_id}/revoke")
         console.print(f"key {answer['id']} ({answer['prefix']}…) revoked")
         return
     from api.services import keys

@@ -26,7 +26,8 @@ def api(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Iterator[TestCli
     with TestClient(app) as client:
 
         def through_app(base_url: str, headers: dict[str, str], timeout: float) -> TestClient:
-            return TestClient(app, base_url=base_url, headers=headers)
+            # As httpx.Client does: a redirect is an answer, not followed.
+            return TestClient(app, base_url=base_url, headers=headers, follow_redirects=False)
 
         monkeypatch.setattr(keys_cli.httpx, "Client", through_app)
         monkeypatch.setenv("OFFPEAK_ADMIN_KEY", ADMIN_KEY)
