@@ -64,7 +64,7 @@ def migrate(
     from sqlalchemy.engine import make_url
 
     shown = make_url(settings.resolved_database_url).render_as_string(hide_password=True)
-    console.print(f"database at revision head: {shown}")
+    console.print(f"database at revision head: {shown}", soft_wrap=True)
 
 
 @app.command()
@@ -254,7 +254,8 @@ def up(
     shown_port = port or settings.api_port
     console.print(
         f"Offpeak up: API on http://{host or settings.api_host}:{shown_port}/v1 · "
-        f"{', '.join(c.name for c in children)} · logs in {folder} · Ctrl-C stops everything"
+        f"{', '.join(c.name for c in children)} · logs in {folder} · Ctrl-C stops everything",
+        soft_wrap=True,
     )
     raise typer.Exit(Supervisor(children, host_engines(engines, models), folder).run())
 
