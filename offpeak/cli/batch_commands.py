@@ -77,7 +77,7 @@ def retry_command(
         errors.print(str(exc))
         raise typer.Exit(exit_codes.NOTHING_TO_DO) from None
     console.print(
-        f"batch [bold]{batch.id}[/bold] created ({batch.status}): {lines} lines of {batch_id}"
+        f"batch [bold]{batch.id}[/bold] created ({batch.status}): {lines:,} lines of {batch_id}"
     )
     if wait:
         from offpeak import cli

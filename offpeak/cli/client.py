@@ -278,7 +278,7 @@ def print_batches(batches: list[Batch], console: Console) -> None:
     table.add_column("price", justify="right", no_wrap=True)
     for batch in batches:
         counts = batch.request_counts
-        lines = f"{counts.completed + counts.failed}/{counts.total}" if counts else "-"
+        lines = f"{counts.completed + counts.failed:,}/{counts.total:,}" if counts else "-"
         price = format_usd((batch.model_extra or {}).get("price"))
         model = getattr(batch, "model", None) or "-"
         table.add_row(batch.id, batch.status, model, lines, price)
