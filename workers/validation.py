@@ -403,6 +403,7 @@ def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str |
             return None  # cancelled meanwhile: finalize ends it as ``cancelled``
         batch.status, batch.failed_at = BatchStatus.FAILED, now()
         batch.errors = outcome.errors
+        batch.model = batch.model or outcome.model  # the lines' model, shown with the reason
         # The outbox commits with the status.
         webhook_delivery.record_final(session, settings, batch)
         log.info("batch %s failed validation: %d problems", batch_id, len(outcome.errors))

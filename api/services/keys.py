@@ -83,10 +83,17 @@ def ensure_tenant(session: Session, name: str) -> Tenant:
 def create_key(session: Session, tenant_name: str, key_name: str | None = None) -> str:
     """Make a new key for ``tenant_name`` (created if new). Returns the key in plain text; it is
     shown once and cannot be recovered."""
+    return issue_key(session, tenant_name, key_name)[1]
+
+
+def issue_key(
+    session: Session, tenant_name: str, key_name: str | None = None
+) -> tuple[ApiKey, str]:
+    """``create_key`` with the stored record too: ``(record, key in plain text)``."""
     tenant = ensure_tenant(session, tenant_name)
     key = KEY_PREFIX + secrets.token_urlsafe(32)
-    tenants_repo.add_key(session, tenant.id, hash_key(key), key[: len(KEY_PREFIX) + 4], key_name)
-    return key
+    prefix = key[: len(KEY_PREFIX) + 4]
+    return tenants_repo.add_key(session, tenant.id, hash_key(key), prefix, key_name), key
 
 
 def ensure_key(session: Session, tenant_name: str, key: str) -> None:
