@@ -24,17 +24,17 @@ ACCESS_KEY, SECRET_KEY = "test-access-key", "test-secret-key"
 
 
 class S3Server:
-    """moto's S3 server on 127.0.0.1:``port`` and a boto3 client on it."""
+    """moto's S3 server on ``host``:``port`` and a boto3 client on it."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         from moto.server import ThreadedMotoServer
 
-        self.port = free_port()
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.host, self.port = host, free_port()
+        self.server = ThreadedMotoServer(ip_address=host, port=self.port, verbose=False)
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def client(self) -> Any:
         import boto3
@@ -59,16 +59,16 @@ class S3Server:
 
 
 @contextlib.contextmanager
-def s3_server() -> Iterator[S3Server]:
-    """A started S3 server with the bucket ``BUCKET``; stopped afterwards. Skips (fails in CI)
-    when moto is not installed."""
+def s3_server(host: str = "127.0.0.1") -> Iterator[S3Server]:
+    """A started S3 server on ``host`` with the bucket ``BUCKET``; stopped afterwards. Skips
+    (fails in CI) when moto is not installed."""
     try:
         import moto.server  # noqa: F401
     except ImportError:
         from tests.support.servers import missing
 
         missing("moto (the dev extra)")
-    server = S3Server()
+    server = S3Server(host)
     server.server.start()
     try:
         server.client().create_bucket(
