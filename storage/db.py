@@ -73,18 +73,29 @@ def get_engine(url: str) -> Engine:
 CONNECT_TIMEOUT_SECONDS = 10
 
 
+#: libpq's TCP keepalives and user timeout: a connection whose server, or the network to it,
+#: vanished (a host cut off: nothing closes the connection) is found dead in about a minute,
+#: rather than a thread blocked in ``recv`` for the kernel's two hours of keepalive idle.
+DEAD_PEER_ARGS = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 60_000,  # milliseconds sent data may stay unacknowledged
+}
+
+
 def connect_args(url: str) -> dict[str, Any]:
     """The ``connect_args`` of every engine on ``url`` (the pools here, the migrations'):
-    for PostgreSQL ``CONNECT_TIMEOUT_SECONDS`` as psycopg's ``connect_timeout``, unless the URL
-    sets its own (``?connect_timeout=…`` wins), and no prepared statements where
-    ``database_pool.prepared_statements`` is off (psycopg's ``prepare_threshold=None``);
-    nothing for another database."""
+    for PostgreSQL ``CONNECT_TIMEOUT_SECONDS`` as psycopg's ``connect_timeout`` and
+    ``DEAD_PEER_ARGS``, unless the URL sets its own (``?connect_timeout=…`` wins), and no
+    prepared statements where ``database_pool.prepared_statements`` is off (psycopg's
+    ``prepare_threshold=None``); nothing for another database."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "postgresql":
         return {}
-    args: dict[str, Any] = {}
-    if "connect_timeout" not in parsed.query:
-        args["connect_timeout"] = CONNECT_TIMEOUT_SECONDS
+    defaults = {"connect_timeout": CONNECT_TIMEOUT_SECONDS, **DEAD_PEER_ARGS}
+    args: dict[str, Any] = {k: v for k, v in defaults.items() if k not in parsed.query}
     if not get_settings().database_pool.prepared_statements:
         args["prepare_threshold"] = None
     return args

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+import psycopg
 import pytest
 from openai import OpenAI
 from sqlalchemy import select, text
@@ -35,6 +36,15 @@ from tests.support.servers import postgres_server, redis_server
 API_PORT = 8000
 #: Short leases, so a lost host's lines come back within seconds.
 LEASE_SECONDS = 8
+#: The server drops a vanished client's connection, and so its row locks, within seconds (as
+#: docs/deployment.md asks of a production server, with longer times): a host cut off in the
+#: middle of a claim would otherwise keep its rows locked, where no lease expiry reaches.
+SERVER_SETTINGS = (
+    "tcp_user_timeout = 5000",
+    "tcp_keepalives_idle = 5",
+    "tcp_keepalives_interval = 2",
+    "tcp_keepalives_count = 2",
+)
 
 
 @dataclass
@@ -70,6 +80,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, run_id: str) -> Iterator[Fle
         s3_server(host=network.gateway) as store,
     ):
         url = pg.create_database("offpeak")
+        with psycopg.connect(pg.url("offpeak", driver="postgresql"), autocommit=True) as conn:
+            for setting in SERVER_SETTINGS:
+                conn.execute(f"ALTER DATABASE offpeak SET {setting}")
         migrations.upgrade(url)
         env = {
             "OFFPEAK_DATABASE_URL": url,
