@@ -13,6 +13,7 @@ variables, through a link the test can cut (``tests/support/object_store.py``).
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,12 +24,12 @@ from sqlalchemy import func, select
 
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import DEFAULT_MODEL, Settings
-from storage.blobs import PART_BYTES
+from storage.blobs import PART_BYTES, BlobStore
 from storage.db import session_scope
 from storage.models import LedgerEntry, RequestLine
 from tests.support.batches import chat_line, check_ran_batch, submit, wait_for_end
 from tests.support.database import fresh_database, new_key, settings_from
-from tests.support.object_store import Link, S3Server, s3_env
+from tests.support.object_store import BUCKET, Link, S3Server, s3_env
 from tests.support.processes import wait_until
 from tests.support.servers import free_port
 
@@ -175,3 +176,29 @@ def test_the_store_going_away_mid_batch_loses_nothing_and_runs_nothing_twice(
     with session_scope(s3_settings.resolved_database_url) as session:
         bills = session.scalars(select(LedgerEntry).where(LedgerEntry.batch_id == batch.id)).all()
         assert [b.requests for b in bills] == [len(ids)]
+
+
+def test_an_object_appears_whole_at_its_key_without_a_copy(
+    own_s3: S3Server, link: Link, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parts go up while the block runs, yet no reader sees the key before it ends; no rename
+    (a copy on S3) is ever made."""
+    for name, value in s3_env(link.endpoint, PREFIX).items():
+        monkeypatch.setenv(name, value)
+    store = BlobStore(f"s3://{BUCKET}/{PREFIX}", retry_seconds=5)
+
+    def no_copy(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the store copied an object")
+
+    for method in ("mv", "copy", "cp_file"):
+        monkeypatch.setattr(store.fs, method, no_copy)
+    piece = b"x" * (1 << 20)
+    key = f"outputs/whole-{secrets.token_hex(4)}.jsonl"
+    with store.writer(key) as out:
+        for _ in range(2 * PART_BYTES // len(piece) + 1):
+            out.write(piece)
+        assert f"{PREFIX}/{key}" not in own_s3.keys(f"{PREFIX}/outputs/")
+        uploads = own_s3.client().list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])
+        assert f"{PREFIX}/{key}" in {upload["Key"] for upload in uploads}
+    assert own_s3.body(f"{PREFIX}/{key}") == piece * (2 * PART_BYTES // len(piece) + 1)
+    assert b"".join(store.iter_chunks(key)) == own_s3.body(f"{PREFIX}/{key}")
