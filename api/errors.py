@@ -20,6 +20,7 @@ from starlette.routing import Match, Route
 from api.schemas.common import ErrorResponse
 from offpeak.endpoints import anthropic_messages
 from offpeak.wire import error_object
+from storage.blobs import StoreUnavailable
 from storage.errors import is_unavailable
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 #: rides through a restart of about ten seconds without seeing an error.
 RETRY_AFTER_SECONDS = 5
 DATABASE_UNAVAILABLE = "The database is unavailable right now; retry in a few seconds."
+STORE_UNAVAILABLE = "The file store is unavailable right now; nothing was stored, retry later."
 
 
 def log_unavailable(method: str, path: str, exc: Exception) -> None:
@@ -134,8 +136,8 @@ _STATUS_DESCRIPTIONS = {
     429: "A rate limit (Retry-After, x-ratelimit-*-requests) or a quota of the tenant "
     "(batch_limit_exceeded, storage_limit_exceeded) was reached.",
     422: "The request body is not valid JSON, or its Idempotency-Key was used with another body.",
-    503: "The database is unavailable right now (code database_unavailable); retry after the "
-    "seconds in Retry-After.",
+    503: "The database or the file store is unavailable right now (code database_unavailable "
+    "or store_unavailable); retry after the seconds in Retry-After.",
 }
 
 
@@ -287,6 +289,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
     for unavailable in (OperationalError, InterfaceError, PoolTimeoutError):
         app.add_exception_handler(unavailable, _database_unavailable)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        # The object store did not answer within the blob store's retries: as for the
+        # database, a 503 the SDKs retry by themselves, never a 500.
+        log.warning(
+            "file store unavailable: %s %s answered 503 (%s)", request.method, request.url.path, exc
+        )
+        body = error_object(STORE_UNAVAILABLE, type="server_error", code="store_unavailable")
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+        return _respond(request, body, status_code=503, headers=headers)
 
     @app.exception_handler(UnicodeEncodeError)
     async def _unencodable(request: Request, exc: UnicodeEncodeError) -> JSONResponse:

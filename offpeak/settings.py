@@ -19,6 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from offpeak.database_pool import DatabasePool
 from offpeak.tenant_limits import LimitSettings
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -378,6 +379,7 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".offpeak")
     #: SQLAlchemy URL. Empty: ``sqlite:///<data_dir>/offpeak.db``.
     database_url: str = ""
+    database_pool: DatabasePool = Field(default_factory=DatabasePool)
     #: Celery broker URL. Empty: kombu's filesystem transport under ``<data_dir>/broker``.
     broker_url: str = ""
     #: Where file bytes live: a local folder or any fsspec URL (``s3://bucket/offpeak``).

@@ -16,7 +16,7 @@ from typing import Literal
 
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -24,7 +24,7 @@ import migrations
 from api.schemas.health import Health, HealthStatus, ModelHealth, Ready, WorkerHealth
 from offpeak import __version__
 from offpeak.settings import Settings
-from storage.db import get_engine
+from storage.db import connect_args, get_engine
 from storage.models import WorkerRecord
 from storage.repositories import workers as workers_repo
 
@@ -163,23 +163,28 @@ def alerts(session: Session, settings: Settings, at: float) -> list[dict[str, ob
 @lru_cache(maxsize=8)
 def probe_engine(url: str) -> Engine:
     """An engine for health checks only: a small pool that fails in ``DB_TIMEOUT_SECONDS``
-    instead of waiting behind the request pool or a hung server."""
+    instead of waiting behind the request pool or a hung server.
+
+    The statement timeout is set per transaction (``SET LOCAL``), not as a startup parameter,
+    which a pooler such as PgBouncer refuses (``unsupported startup parameter: options``)."""
     if url.startswith("sqlite"):
         return get_engine(url)  # a local file: no network to time out on
-    connect_args: dict[str, object] = {}
-    if url.startswith("postgresql"):
-        connect_args = {
-            "connect_timeout": DB_TIMEOUT_SECONDS,
-            "options": f"-c statement_timeout={DB_TIMEOUT_SECONDS * 1000}",
-        }
-    return create_engine(
+    if not url.startswith("postgresql"):
+        return create_engine(url, pool_size=1, max_overflow=4, pool_timeout=DB_TIMEOUT_SECONDS)
+    engine = create_engine(
         url,
         pool_size=1,
         max_overflow=4,
         pool_timeout=DB_TIMEOUT_SECONDS,
         pool_pre_ping=True,
-        connect_args=connect_args,
+        connect_args={**connect_args(url), "connect_timeout": DB_TIMEOUT_SECONDS},
     )
+
+    @event.listens_for(engine, "begin")
+    def _statement_timeout(connection: Connection) -> None:
+        connection.exec_driver_sql(f"SET LOCAL statement_timeout = {DB_TIMEOUT_SECONDS * 1000}")
+
+    return engine
 
 
 @lru_cache(maxsize=8)
