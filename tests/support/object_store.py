@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -71,6 +72,10 @@ def s3_server(host: str = "127.0.0.1") -> Iterator[S3Server]:
     server = S3Server(host)
     server.server.start()
     try:
+        # moto keeps its buckets in the process, not the server: an earlier module's are there.
+        urllib.request.urlopen(
+            urllib.request.Request(f"{server.endpoint}/moto-api/reset", method="POST"), timeout=10
+        ).close()
         server.client().create_bucket(
             Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": REGION}
         )
