@@ -17,10 +17,12 @@ from storage.db import session_scope
 from storage.repositories import batches as batches_repo
 from storage.repositories import requests as requests_repo
 from storage.repositories import scheduler as scheduler_repo
+from storage.repositories import shared_claims as shared_claims_repo
 from storage.repositories import write_back as write_back_repo
 from storage.repositories.engine_chunks import BatchTokens, EnginePeriod
 from storage.repositories.requests import ClaimedRequest, FinishedLine
 from storage.repositories.scheduler import BatchBacklog, EngineHistory
+from storage.repositories.shared_claims import SharedClaim, Shares
 
 
 @dataclass
@@ -70,6 +72,13 @@ class WorkStore(Protocol):
     ) -> list[ClaimedRequest]:
         """Up to ``limit`` runnable lines of ``model``, earliest deadline first, leased to
         ``owner`` until ``lease_until``; only of ``batch_ids`` when given."""
+        ...
+
+    def claim_shared(
+        self, model: str, limit: int, owner: str, at: float, lease_until: float, shares: Shares
+    ) -> SharedClaim:
+        """Up to ``limit`` runnable lines of ``model`` as ``shares`` divides them between
+        batches (``shared_claims_repo.claim_shared``), and the waiting batches it saw."""
         ...
 
     def write_back(self, write: WriteBack) -> WriteBackReport:
@@ -129,6 +138,20 @@ class DbStore:
                 lease_until=lease_until,
                 at=at,
                 batch_ids=batch_ids,
+            )
+
+    def claim_shared(
+        self, model: str, limit: int, owner: str, at: float, lease_until: float, shares: Shares
+    ) -> SharedClaim:
+        with session_scope(self.url) as session:
+            return shared_claims_repo.claim_shared(
+                session,
+                model=model,
+                limit=limit,
+                owner=owner,
+                lease_until=lease_until,
+                at=at,
+                shares=shares,
             )
 
     def write_back(self, write: WriteBack) -> WriteBackReport:
