@@ -41,9 +41,9 @@ class WaitingBatch:
 @dataclass(frozen=True)
 class Shares:
     """What one claim takes, in this order: lines of the ``urgent`` batches (earliest deadline
-    first), up to ``quotas[batch_id]`` lines of each batch of ``quotas`` (in their order), up to
-    ``fresh`` lines of each running batch the share has not seen yet (not in ``known``), then
-    any runnable lines, earliest deadline first, up to the claim's limit."""
+    first), up to ``fresh`` lines of each running batch the share has not seen yet (not in
+    ``known``), up to ``quotas[batch_id]`` lines of each batch of ``quotas`` (in their order),
+    then any runnable lines, earliest deadline first, up to the claim's limit."""
 
     urgent: tuple[str, ...] = ()
     quotas: tuple[tuple[str, int], ...] = ()
@@ -98,17 +98,17 @@ def shared_claim_statement(urgent: bool, quotas: bool) -> str:
             f"WHERE batch_id = ANY({_RUNNING})) AS s"
         )
         arms.append(_per_batch(source, "%(limit)s"))
+    newcomers = (
+        "(SELECT id AS batch_id FROM batches WHERE status = 'in_progress' AND model = %(model)s "
+        "AND NOT (id = ANY(%(known)s::varchar[])) ORDER BY id LIMIT %(limit)s) AS s"
+    )
+    arms.append(_per_batch(newcomers, "%(fresh)s"))
     if quotas:
         source = (
             "(SELECT batch_id, quota FROM unnest(%(batches)s::varchar[], %(quotas)s::integer[]) "
             f"AS u(batch_id, quota) WHERE batch_id = ANY({_RUNNING})) AS s"
         )
         arms.append(_per_batch(source, "s.quota"))
-    newcomers = (
-        "(SELECT id AS batch_id FROM batches WHERE status = 'in_progress' AND model = %(model)s "
-        "AND NOT (id = ANY(%(known)s::varchar[])) ORDER BY id LIMIT %(limit)s) AS s"
-    )
-    arms.append(_per_batch(newcomers, "%(fresh)s"))
     picked = " UNION ALL ".join(arms)
     rest = (
         "SELECT id FROM (SELECT id FROM requests WHERE model = %(model)s AND status = 'pending' "
@@ -203,13 +203,13 @@ def _claim_elsewhere(session: Session, params: dict[str, Any]) -> list[ClaimedRe
     limit = params["limit"]
     rows = _lease(session, params, limit, (*live, *lapsed), edf=True)
     per_batch = [(batch_id, limit) for batch_id in params["urgent"]]
-    per_batch += list(zip(params["batches"], params["quotas"], strict=True))
     newcomers = session.scalars(
         running.where(Batch.model == params["model"], Batch.id.not_in(params["known"]))
         .order_by(Batch.id)
         .limit(limit)
     )
     per_batch += [(batch_id, params["fresh"]) for batch_id in newcomers]
+    per_batch += list(zip(params["batches"], params["quotas"], strict=True))
     for batch_id, quota in per_batch:
         if len(rows) >= limit:
             break

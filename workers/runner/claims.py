@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from offpeak.settings import Settings
 from storage.errors import TRANSIENT_DB_ERRORS
 from storage.repositories.requests import ClaimedRequest
+from storage.repositories.shared_claims import SharedClaim
 from workers import worker_metrics
 from workers.engine.base import Engine, EngineFault
 from workers.runner.admission import PreparedChunk, prepare_chunk
@@ -41,9 +42,10 @@ class ClaimPipeline:
 
     ``scope()`` names the batches a claim may take when it is made: ``None`` for any, shared
     fairly between tenants after the urgent batches (``workers.scheduler.fair_share``), else
-    only those (the urgent ones while the gate is closed), earliest deadline first. With ``ahead``, claims made while lines
-    are held run on the claim thread; the runner settles them (``settle``) before it yields,
-    stops or hands lines back, so their lines go back with the rest.
+    only those (the urgent ones while the gate is closed), earliest deadline first. With
+    ``ahead``, claims made while lines are held run on the claim thread; the runner settles them
+    (``settle``) before it yields, stops or hands lines back, so their lines go back with the
+    rest.
     """
 
     def __init__(
@@ -192,6 +194,9 @@ class ClaimPipeline:
             scope = self.scope()
             if scope is not None:
                 return self.store.claim(self.model, limit, self.owner, at, lease_until, scope)
+            if not self.fair.seen:
+                # The first claim knows no batch yet: one look, so it is shared already.
+                self.fair.settle(SharedClaim([], self.store.waiting(self.model)))
             shares = self.fair.shares(limit, urgent)
             claimed = self.store.claim_shared(
                 self.model, limit, self.owner, at, lease_until, shares

@@ -83,6 +83,8 @@ class FairShare:
         self._served: dict[str, float] = {}
         self._waiting: list[WaitingBatch] = []
         self._tenant_of: dict[str, WaitingBatch] = {}
+        #: Whether a claim (or a look at the waiting batches) has been settled.
+        self.seen = False
 
     def shares(self, limit: int, urgent: Collection[str]) -> Shares:
         """What a claim of ``limit`` lines takes: ``urgent`` batches first (earliest deadline
@@ -122,6 +124,7 @@ class FairShare:
         tenant that starts waiting joins at the least virtual time of those still waiting; one
         that stopped waiting is forgotten."""
         with self._lock:
+            self.seen = True
             tenants = {b.tenant_id for b in claim.waiting}
             staying = [self._served[t] for t in tenants if t in self._served]
             joins_at = min(staying, default=0.0)

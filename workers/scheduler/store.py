@@ -22,7 +22,7 @@ from storage.repositories import write_back as write_back_repo
 from storage.repositories.engine_chunks import BatchTokens, EnginePeriod
 from storage.repositories.requests import ClaimedRequest, FinishedLine
 from storage.repositories.scheduler import BatchBacklog, EngineHistory
-from storage.repositories.shared_claims import SharedClaim, Shares
+from storage.repositories.shared_claims import SharedClaim, Shares, WaitingBatch
 
 
 @dataclass
@@ -79,6 +79,10 @@ class WorkStore(Protocol):
     ) -> SharedClaim:
         """Up to ``limit`` runnable lines of ``model`` as ``shares`` divides them between
         batches (``shared_claims_repo.claim_shared``), and the waiting batches it saw."""
+        ...
+
+    def waiting(self, model: str) -> list[WaitingBatch]:
+        """``model``'s running batches with their tenants (``shared_claims_repo``)."""
         ...
 
     def write_back(self, write: WriteBack) -> WriteBackReport:
@@ -153,6 +157,10 @@ class DbStore:
                 at=at,
                 shares=shares,
             )
+
+    def waiting(self, model: str) -> list[WaitingBatch]:
+        with session_scope(self.url) as session:
+            return shared_claims_repo.waiting_batches(session, model)
 
     def write_back(self, write: WriteBack) -> WriteBackReport:
         # The engine time goes to the lines actually written: a line another worker took over

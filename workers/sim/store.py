@@ -147,20 +147,23 @@ class MemoryStore:
         runnable = self._runnable(at)
         by_id = {b.id: b for b in runnable}
         known = {*shares.known, *shares.urgent}
-        per_batch = [(b, limit) for b in shares.urgent] + list(shares.quotas)
+        per_batch = [(b, limit) for b in shares.urgent]
         per_batch += [(b.id, shares.fresh) for b in runnable if b.id not in known]
+        per_batch += list(shares.quotas)
         for batch_id, quota in per_batch:
             if (batch := by_id.get(batch_id)) is not None:
                 self._take(batch, min(quota, limit - len(claimed)), claimed)
         for batch in runnable:
             self._take(batch, limit - len(claimed), claimed)
-        waiting = [
+        return SharedClaim(claimed, self.waiting(model))
+
+    def waiting(self, model: str) -> list[WaitingBatch]:
+        return [
             WaitingBatch(b.id, b.tenant, b.weight, b.requests - b.completed - b.failed,
                          int(b.expires_at))
             for b in self.batches.values()
             if b.status == BatchStatus.IN_PROGRESS
         ]  # fmt: skip
-        return SharedClaim(claimed, waiting)
 
     def _runnable(self, at: float) -> list[SimBatch]:
         """Batches whose lines may be claimed at ``at``, earliest deadline first."""
