@@ -140,6 +140,7 @@ def control(
 def tenants(
     big_tenants: Annotated[int, typer.Option(help="Tenants with a big batch each.")] = 3,
     big_lines: Annotated[int, typer.Option(help="Lines of each big batch.")] = 3000,
+    big_every: Annotated[float, typer.Option(help="Seconds between big batches.")] = 10.0,
     small_batches: Annotated[int, typer.Option(help="The small tenant's batches.")] = 4,
     small_lines: Annotated[int, typer.Option(help="Lines of each small batch.")] = 5,
     small_from: Annotated[float, typer.Option(help="Seconds to the first small batch.")] = 30.0,
@@ -153,6 +154,7 @@ def tenants(
     params = module.Params(
         big_tenants=big_tenants,
         big_lines=big_lines,
+        big_every=big_every,
         small_batches=small_batches,
         small_lines=small_lines,
         small_from=small_from,

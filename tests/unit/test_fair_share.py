@@ -57,7 +57,8 @@ def test_a_tenant_joins_at_the_least_served_and_urgent_batches_come_first() -> N
 def test_bench_tenants_at_a_tiny_size(tmp_path) -> None:  # type: ignore[no-untyped-def]
     result = CliRunner().invoke(
         app,
-        ["bench", "tenants", "--big-tenants", "2", "--big-lines", "300", "--small-batches", "1",
+        ["bench", "tenants", "--big-tenants", "2", "--big-lines", "300",
+         "--big-every", "0.5", "--small-batches", "1",
          "--small-from", "1",
          "--out", str(tmp_path)],
     )  # fmt: skip
