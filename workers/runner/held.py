@@ -76,10 +76,13 @@ class HeldLines:
         batch with no line held go ahead of the queued lines of other batches (behind urgent
         ones, whose priority is below the default 0): a batch that just started waits for the
         engine's room, not for what other batches have queued."""
+        if not self.queued:
+            self.queued.extend(lines)
+            return
         lines = list(lines)
         held = {h.row.batch_id for h in (*self.queued, *self.running.values())}
         starting = [h for h in lines if h.row.batch_id not in held]
-        if not starting or not self.queued:
+        if not starting:
             self.queued.extend(lines)
             return
         urgent = 0
