@@ -59,6 +59,11 @@ class SharedClaim:
     waiting: list[WaitingBatch] = field(default_factory=list)
 
 
+#: The claim's second planner setting, for its transaction only: a batch's lines come from
+#: ``ix_requests_batch_status``. With the statistics of one big batch the planner took every row
+#: for a match and read the table from its start, past every line claimed before, on each claim.
+NO_SEQSCANS = "SET LOCAL enable_seqscan = off"
+
 #: The running batches' ids, once per statement (an InitPlan).
 _RUNNING = "ARRAY(SELECT id FROM batches WHERE status = 'in_progress')"
 
@@ -158,6 +163,7 @@ def claim_shared(
         statement = shared_claim_statement(bool(shares.urgent), bool(shares.quotas))
         with raw.pipeline(), raw.cursor() as cursor, raw.cursor() as listing:
             raw.execute(NO_SORTS)
+            raw.execute(NO_SEQSCANS)
             # A generic plan cannot see the lists or the limit.
             cursor.execute(statement, params, prepare=False)
             listing.execute(WAITING_BATCHES, params)

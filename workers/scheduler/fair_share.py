@@ -46,6 +46,8 @@ def water_fill(total: int, claimants: Sequence[Claimant]) -> dict[str, int]:
     caps hold less. Weights must be positive."""
     if sum(c.cap for c in claimants) <= total:
         return {c.key: c.cap for c in claimants}
+    if len(claimants) == 1:  # one tenant, or a tenant's one batch: every claim of a lone batch
+        return {claimants[0].key: total}
 
     def poured(water: float) -> float:
         return sum(min(c.cap, max(0.0, (water - c.level) * c.weight)) for c in claimants)
