@@ -1,5 +1,6 @@
-"""The fair share's arithmetic (water filling over virtual time, tenants joining and leaving) and
-``offpeak bench tenants`` at a tiny size on the simulation's engine and store."""
+"""The fair share's arithmetic (water filling over virtual time, tenants joining and leaving), the
+held queue's place for a starting batch, and ``offpeak bench tenants`` at a tiny size on the
+simulation's engine and store."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from typer.testing import CliRunner
 from offpeak.cli import app
 from storage.repositories.requests import ClaimedRequest
 from storage.repositories.shared_claims import SharedClaim, WaitingBatch
+from workers.engine.base import EngineRequest, SamplingSpec
+from workers.engine_io import Prepared
+from workers.runner.held import HeldLine, HeldLines
 from workers.scheduler.fair_share import Claimant, FairShare, water_fill
 
 
@@ -69,3 +73,21 @@ def test_bench_tenants_at_a_tiny_size(tmp_path) -> None:  # type: ignore[no-unty
     assert fair["deadline_misses"] == 0
     assert max(fair["small_seconds"]) < max(edf["small_seconds"])
     assert fair["jain"] > edf["jain"]
+
+
+def held_line(row_id: int, batch: str, priority: int = 0) -> HeldLine:
+    request = EngineRequest(str(row_id), [1], SamplingSpec(max_tokens=1), priority=priority)
+    return HeldLine(
+        ClaimedRequest(row_id, batch, f"c{row_id}", "{}", 1),
+        Prepared(request, "/v1/chat/completions", "m", ((1, 1),)),
+    )
+
+
+def test_a_starting_batch_queues_ahead_of_other_batches_but_behind_urgent_lines() -> None:
+    held = HeldLines()
+    held.queue([held_line(1, "urgent", priority=-1), held_line(2, "a"), held_line(3, "a")])
+    held.queue([held_line(4, "a"), held_line(5, "b"), held_line(6, "b")])
+    assert [h.row.id for h in held.queued] == [1, 5, 6, 2, 3, 4]
+    # Once held, a batch's next lines queue behind the others'.
+    held.queue([held_line(7, "b"), held_line(8, "a")])
+    assert [h.row.id for h in held.queued][-2:] == [7, 8]
