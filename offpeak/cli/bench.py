@@ -144,6 +144,9 @@ def tenants(
     small_batches: Annotated[int, typer.Option(help="The small tenant's batches.")] = 4,
     small_lines: Annotated[int, typer.Option(help="Lines of each small batch.")] = 5,
     small_from: Annotated[float, typer.Option(help="Seconds to the first small batch.")] = 30.0,
+    claim_lines: Annotated[
+        int, typer.Option(help="Lines of the claim's own rate on PostgreSQL (0: not measured).")
+    ] = 30_000,
     out: OutDir = None,
 ) -> None:
     """Tenants sharing one engine (the real runner on the simulation's engine and store): small
@@ -159,7 +162,7 @@ def tenants(
         small_lines=small_lines,
         small_from=small_from,
     )
-    module.run(params, out)
+    module.run(params, out, claim_lines)
 
 
 @bench_app.command("overhead")

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from offpeak.statuses import BatchStatus, LineStatus
 from storage.db import driver_connection, is_postgres
 from storage.models import Batch, RequestLine, Tenant
-from storage.repositories.requests import NO_SORTS, ClaimedRequest
+from storage.repositories.requests import ClaimedRequest
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,15 @@ class SharedClaim:
     waiting: list[WaitingBatch] = field(default_factory=list)
 
 
-#: The claim's second planner setting, for its transaction only: a batch's lines come from
-#: ``ix_requests_batch_status``. With the statistics of one big batch the planner took every row
-#: for a match and read the table from its start, past every line claimed before, on each claim.
-NO_SEQSCANS = "SET LOCAL enable_seqscan = off"
+#: The claim's planner settings, for its transaction only, in one statement: no sort (as
+#: ``requests.NO_SORTS``), and a batch's lines from a plain scan of ``ix_requests_batch_status``
+#: that stops at its quota. With one big batch's statistics the planner took every row for a
+#: match and read the table from its start, past every line claimed before; with several, a
+#: bitmap scan read every pending entry of each batch on every claim.
+PLANNER_SETTINGS = (
+    "SELECT set_config('enable_sort', 'off', true), set_config('enable_seqscan', 'off', true), "
+    "set_config('enable_bitmapscan', 'off', true)"
+)
 
 #: The running batches' ids, once per statement (an InitPlan).
 _RUNNING = "ARRAY(SELECT id FROM batches WHERE status = 'in_progress')"
@@ -162,8 +167,7 @@ def claim_shared(
         raw = driver_connection(session)
         statement = shared_claim_statement(bool(shares.urgent), bool(shares.quotas))
         with raw.pipeline(), raw.cursor() as cursor, raw.cursor() as listing:
-            raw.execute(NO_SORTS)
-            raw.execute(NO_SEQSCANS)
+            raw.execute(PLANNER_SETTINGS)
             # A generic plan cannot see the lists or the limit.
             cursor.execute(statement, params, prepare=False)
             listing.execute(WAITING_BATCHES, params)

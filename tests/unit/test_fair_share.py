@@ -63,7 +63,7 @@ def test_bench_tenants_at_a_tiny_size(tmp_path) -> None:  # type: ignore[no-unty
         app,
         ["bench", "tenants", "--big-tenants", "2", "--big-lines", "300",
          "--big-every", "0.5", "--small-batches", "1",
-         "--small-from", "1",
+         "--small-from", "1", "--claim-lines", "0",
          "--out", str(tmp_path)],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
