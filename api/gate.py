@@ -4,7 +4,9 @@ FastAPI reads and parses a route's body before it solves the route's dependencie
 checked by a dependency lets an anonymous client make the API buffer, spool or parse whatever
 it sends. This middleware answers every ``/v1/…`` request without a valid key from its headers
 alone, and leaves the tenant (or the admin's pass) on the request's state for the dependencies
-of ``api.deps`` to pick up. Repeated wrong keys from one client address are answered 429.
+of ``api.deps`` to pick up. Repeated wrong keys from one client address are answered 429, and
+so is a key past its requests per minute (``api.ratelimit``; the admin API has no limit), so a
+limited client costs neither a body read nor a database query.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from collections import OrderedDict
 import orjson
 from starlette.datastructures import Headers
 from starlette.routing import Match
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api import ratelimit
 from api.errors import DATABASE_UNAVAILABLE, RETRY_AFTER_SECONDS, log_unavailable
 from api.services import keys
 from offpeak.endpoints import anthropic_messages
@@ -122,6 +125,7 @@ class KeyGateMiddleware:
         self.throttle = FailureThrottle(
             settings.auth_failures_allowed, settings.auth_failure_window_seconds
         )
+        self.limiter = ratelimit.limiter_for(settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -133,19 +137,53 @@ class KeyGateMiddleware:
             await self.app(scope, receive, send)
             return
         address = scope["client"][0] if scope.get("client") else ""
+        verdict = None
         try:
             state = scope.setdefault("state", {})
             if scope["path"].startswith(ADMIN_PREFIX):
                 self._check_admin(Headers(scope=scope))
                 state["admin"] = True
             else:
-                state["tenant"] = await self._tenant(scope, Headers(scope=scope), address)
+                tenant, key = await self._tenant(scope, Headers(scope=scope), address)
+                state["tenant"] = tenant
+                verdict = await self._rate(tenant, key)
         except Refused as refused:
             await _answer(send, scope["path"], refused)
             return
-        await self.app(scope, receive, send)
+        if verdict is None:
+            await self.app(scope, receive, send)
+            return
+        extra = [(name.encode(), value.encode()) for name, value in verdict.headers().items()]
 
-    async def _tenant(self, scope: Scope, headers: Headers, address: str) -> Tenant:
+        async def send_with_limits(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_limits)
+
+    async def _rate(self, tenant: Tenant, key: str) -> ratelimit.Verdict | None:
+        """The key's rate-limit verdict (``None``: no limit applies); raises ``Refused`` (429,
+        OpenAI's ``rate_limit_exceeded`` of type ``requests``) past it."""
+        limit = tenant.requests_per_minute
+        if limit is None:
+            limit = self.settings.limits.requests_per_minute
+        if limit is None:
+            return None
+        verdict = await self.limiter.check(keys.hash_key(key), limit)
+        if not verdict.allowed:
+            wait = verdict.headers()["retry-after"]
+            raise Refused(
+                429,
+                f"Rate limit reached for requests per min (RPM) on this API key: Limit {limit}, "
+                f"Used {limit}, Requested 1. Please try again in {wait}s.",
+                "rate_limit_exceeded",
+                verdict.headers(),
+                kind="requests",
+            )
+        return verdict
+
+    async def _tenant(self, scope: Scope, headers: Headers, address: str) -> tuple[Tenant, str]:
         anthropic = anthropic_messages.on_surface(scope["path"])
         key = _bearer(headers)
         if anthropic:
@@ -155,7 +193,7 @@ class KeyGateMiddleware:
             raise Refused(401, NO_ANTHROPIC_KEY if anthropic else NO_KEY, "invalid_api_key")
         tenant = keys.cached_tenant(key)
         if tenant is not None:
-            return tenant
+            return tenant, key
         # Only lookups are throttled: a key this process found in the last few seconds
         # (``keys.KEY_CACHE_SECONDS``) still passes from a throttled address.
         wait = self.throttle.retry_after(address)
@@ -185,7 +223,7 @@ class KeyGateMiddleware:
         if tenant is None:
             self.throttle.failed(address)
             raise Refused(401, WRONG_ANTHROPIC_KEY if anthropic else WRONG_KEY, "invalid_api_key")
-        return tenant
+        return tenant, key
 
     def _check_admin(self, headers: Headers) -> None:
         expected = self.settings.admin_api_key

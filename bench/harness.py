@@ -171,13 +171,42 @@ def scratch_service(
     the way out. Raises ``TimeoutError``/``RuntimeError`` with the logs when something does not
     start."""
     run = f"bench{os.getpid()}{secrets.token_hex(3)}"
+    with (
+        scratch_database(run) as url,
+        _scratch_stack(run, url, models, roles, env, keep_logs) as service,
+    ):
+        yield service
+
+
+@contextmanager
+def scratch_database(run: str) -> Iterator[str]:
+    """A new PostgreSQL database ``offpeak_<run>`` on ``OFFPEAK_BENCH_PG``: its SQLAlchemy URL.
+    Dropped on the way out (connections of this process's engines closed first)."""
     database = f"offpeak_{run}"
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{database}"')
     admin = conninfo_to_dict(PG_ADMIN)
     host, port = admin.get("host", "127.0.0.1"), admin.get("port", "5432")
     user = admin.get("user", "postgres")
-    url = f"postgresql+psycopg://{user}@{host}:{port}/{database}"
+    try:
+        yield f"postgresql+psycopg://{user}@{host}:{port}/{database}"
+    finally:
+        from storage.db import get_engine
+
+        get_engine.cache_clear()
+        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+
+
+@contextmanager
+def _scratch_stack(
+    run: str,
+    url: str,
+    models: dict[str, dict[str, Any]],
+    roles: tuple[str, ...],
+    env: dict[str, str] | None,
+    keep_logs: Path | None,
+) -> Iterator[Service]:
     key = f"sk-offpeak-bench-{secrets.token_hex(8)}"
     tmp = Path(tempfile.mkdtemp(prefix=f"offpeak-{run}-"))
     full_env = {
@@ -202,11 +231,6 @@ def scratch_service(
         yield Service(stack, client, url, full_env, tmp / "data")
     finally:
         stack.stop()
-        from storage.db import get_engine
-
-        get_engine.cache_clear()
-        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
         r = redis.Redis.from_url(REDIS_URL)
         for name in r.scan_iter(f"*{run}*"):
             r.delete(name)

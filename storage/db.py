@@ -31,6 +31,8 @@ from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
+from offpeak.settings import get_settings
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 #: What a query runs on: a session (ORM objects and Core rows) or a connection (Core rows).
@@ -39,7 +41,7 @@ Executor = Session | Connection
 
 @lru_cache(maxsize=8)
 def get_engine(url: str) -> Engine:
-    """One pooled engine per database URL for the process."""
+    """One pooled engine per database URL for the process, sized by ``database_pool``."""
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
@@ -53,8 +55,13 @@ def get_engine(url: str) -> Engine:
             cursor.close()
 
         return engine
+    pool = get_settings().database_pool
     return create_engine(
-        url, pool_pre_ping=True, pool_size=10, max_overflow=20, connect_args=connect_args(url)
+        url,
+        pool_pre_ping=True,
+        pool_size=pool.size,
+        max_overflow=pool.overflow,
+        connect_args=connect_args(url),
     )
 
 
@@ -66,14 +73,32 @@ def get_engine(url: str) -> Engine:
 CONNECT_TIMEOUT_SECONDS = 10
 
 
+#: libpq's TCP keepalives and user timeout: a connection whose server, or the network to it,
+#: vanished (a host cut off: nothing closes the connection) is found dead in about a minute,
+#: rather than a thread blocked in ``recv`` for the kernel's two hours of keepalive idle.
+DEAD_PEER_ARGS = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 60_000,  # milliseconds sent data may stay unacknowledged
+}
+
+
 def connect_args(url: str) -> dict[str, Any]:
     """The ``connect_args`` of every engine on ``url`` (the pools here, the migrations'):
-    for PostgreSQL ``CONNECT_TIMEOUT_SECONDS`` as psycopg's ``connect_timeout``, unless the URL
-    sets its own (``?connect_timeout=…`` wins); nothing for another database."""
+    for PostgreSQL ``CONNECT_TIMEOUT_SECONDS`` as psycopg's ``connect_timeout`` and
+    ``DEAD_PEER_ARGS``, unless the URL sets its own (``?connect_timeout=…`` wins), and no
+    prepared statements where ``database_pool.prepared_statements`` is off (psycopg's
+    ``prepare_threshold=None``); nothing for another database."""
     parsed = make_url(url)
-    if parsed.get_backend_name() != "postgresql" or "connect_timeout" in parsed.query:
+    if parsed.get_backend_name() != "postgresql":
         return {}
-    return {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
+    defaults = {"connect_timeout": CONNECT_TIMEOUT_SECONDS, **DEAD_PEER_ARGS}
+    args: dict[str, Any] = {k: v for k, v in defaults.items() if k not in parsed.query}
+    if not get_settings().database_pool.prepared_statements:
+        args["prepare_threshold"] = None
+    return args
 
 
 @lru_cache(maxsize=8)
@@ -91,18 +116,19 @@ def get_read_engine(url: str) -> Engine:
     statement began, which is what each autocommit statement sees: a read-only function reads
     the same rows either way. No pre-ping: its ``SELECT 1`` was one more round trip per
     request; ``read`` runs a function again when its connection turned out dead instead.
-    20 connections kept open and no overflow: an overflow connection is closed when it is
-    returned to a full pool, so under more concurrent polls than the pool holds every request
-    paid for a new connection (a server process forked and authenticated) where it should wait
-    for a free one. 20 a process keeps two API processes and the workers within PostgreSQL's
-    default ``max_connections`` (100). JSON columns are parsed by orjson (``_loads``).
+    ``database_pool.read_size`` connections (20) kept open and no overflow: an overflow
+    connection is closed when it is returned to a full pool, so under more concurrent polls than
+    the pool holds every request paid for a new connection (a server process forked and
+    authenticated) where it should wait for a free one. 20 a process keeps two API processes and
+    the workers within PostgreSQL's default ``max_connections`` (100). JSON columns are parsed
+    by orjson (``_loads``).
     """
     if url.startswith("sqlite"):
         return get_engine(url).execution_options(isolation_level="AUTOCOMMIT")
     return create_engine(
         url,
         isolation_level="AUTOCOMMIT",
-        pool_size=20,
+        pool_size=get_settings().database_pool.read_size,
         max_overflow=0,
         json_deserializer=_loads,
         connect_args=connect_args(url),

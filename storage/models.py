@@ -164,6 +164,10 @@ class Batch(Base):
     #: ``output_expires_after[seconds]`` of the create: the output and error files expire this
     #: long after they are written (``None``: ``Settings.output_file_expiry_days``).
     output_expires_after: Mapped[int | None] = mapped_column(Integer)
+    #: Prompt + requested output tokens of all the batch's lines, counted at validation
+    #: (``offpeak.enqueued``); ``None`` before. Its unfinished lines' share is what the batch
+    #: holds of its tenant's enqueued-token quota (``storage.repositories.quotas``).
+    enqueued_tokens: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (Index("ix_batches_tenant_id", "tenant_id", "id"),)
 

@@ -161,31 +161,31 @@ class Estimate:
         }
 
 
-def estimate_file(settings: Settings, path: Path) -> tuple[dict[str, Any], int]:
-    """The estimate of a JSONL batch file on disk (``offpeak estimate``): ``(estimate, lines
-    that are not request lines)``. The model and endpoint are the first line's; lines of
-    another model or url, or not JSON, are counted as not request lines (validation would
+def estimate_file(settings: Settings, path: Path) -> tuple[dict[str, Any], list[int]]:
+    """The estimate of a JSONL batch file on disk (``offpeak estimate``): ``(estimate, numbers
+    of the lines that are not request lines)``, 1-based. The model and endpoint are the first
+    line's; lines of another model or url, or not JSON, are not request lines (validation would
     fail the batch). Raises ``ValueError`` when no line names a served model."""
     from workers.validation import iter_lines
 
     estimate: Estimate | None = None
     tokenizer: Tokenizer | None = None
     endpoint = ""
-    unusable = 0
+    unusable: list[int] = []
 
     def chunks() -> Any:
         with open(path, "rb") as handle:
             while piece := handle.read(1 << 20):
                 yield piece
 
-    for _number, raw in iter_lines(chunks()):
+    for number, raw in iter_lines(chunks()):
         if raw is None or not raw.strip():
             continue
         try:
             line = orjson.loads(raw)
             model, url = line["body"]["model"], line["url"]
         except (orjson.JSONDecodeError, KeyError, TypeError):
-            unusable += 1
+            unusable.append(number)
             continue
         if estimate is None:
             if model not in settings.models:
@@ -196,7 +196,7 @@ def estimate_file(settings: Settings, path: Path) -> tuple[dict[str, Any], int]:
             estimate, endpoint = Estimate(model), url
             tokenizer = tokenizer_for(settings, model)
         if model != estimate.model or url != endpoint:
-            unusable += 1
+            unusable.append(number)
             continue
         assert tokenizer is not None
         estimate.add(line, tokenizer, endpoint)

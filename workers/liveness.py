@@ -143,3 +143,18 @@ def _on_worker_ready(sender: object = None, **_kwargs: object) -> None:
 def _on_worker_shutdown(**_kwargs: object) -> None:
     if _heartbeat is not None:
         _heartbeat.stop()
+
+
+def announce_loading(settings: Settings, models: list[str]) -> None:
+    """Record this engine worker as loading the engines of ``models`` (``/healthz`` and the
+    dashboard give it ``engine_load_grace_seconds`` before reporting them unserved). A database
+    fault is logged, never raised: the worker still starts."""
+    from offpeak.ids import worker_id
+
+    try:
+        with session_scope(settings.resolved_database_url) as session:
+            workers_repo.announce_loading(
+                session, worker_id(), socket.gethostname(), models, time.time()
+            )
+    except Exception as exc:
+        log.warning("could not record this worker as loading: %s", exc)

@@ -13,7 +13,7 @@ from offpeak.ids import worker_id
 from offpeak.settings import Settings, get_settings
 from offpeak.statuses import BatchStatus
 from storage import task_messages
-from storage.blobs import get_blob_store
+from storage.blobs import StoreUnavailable, get_blob_store
 from storage.db import session_scope
 from storage.repositories import batches as batches_repo
 from storage.repositories import queued_messages
@@ -25,7 +25,7 @@ from workers.engine import registry, release
 from workers.engine.base import Engine, EngineFault
 from workers.engine.idle_release import IdleReleaser
 from workers.estimate import estimate_batch
-from workers.finalize import finalize
+from workers.finalize import Step, finalize
 from workers.runner import Runner
 from workers.scheduler.slack import sweep_estimates
 from workers.validation import run_validation
@@ -40,7 +40,12 @@ def validate_batch(batch_id: str, mark: str | None = None) -> None:
     it). A redelivered message (the worker died in between) counts an estimate still missing."""
     settings = get_settings()
     task_messages.message_started(settings, celery_app.validate_key(batch_id), mark)
-    model = run_validation(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    try:
+        model = run_validation(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    except StoreUnavailable as exc:
+        # Its rows rolled back and it is still ``validating``: the sweep sends it again.
+        log.warning("batch %s: validation waits for the file store (%s)", batch_id, exc)
+        return
     if model is not None:
         task_messages.send_drain(settings, model)
     estimate_batch(settings, batch_id)
@@ -188,13 +193,23 @@ def drain_model(model: str, mark: str | None = None) -> None:
         task_messages.send_finalize(settings, batch_id)
 
 
+#: Seconds before a finalize that found the file store away looks again (on top of the store's
+#: own retries, ``storage.blobs.RETRY_SECONDS``).
+STORE_RETRY_SECONDS = 15.0
+
+
 @app.task(name=celery_app.FINALIZE_TASK)
 def finalize_batch(batch_id: str, mark: str | None = None) -> None:
     """Finalize the batch; while it waits for its lines, queue the next look (one chain per
     batch: ``send_finalize`` skips it when another finalize of the batch is queued sooner)."""
     settings = get_settings()
     task_messages.message_started(settings, celery_app.finalize_key(batch_id), mark)
-    step = finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    try:
+        step = finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    except StoreUnavailable as exc:
+        # Nothing was written or billed (the transaction rolled back); the rows are intact.
+        log.warning("batch %s: finalize waits for the file store (%s)", batch_id, exc)
+        step = Step(done=False, retry_in=STORE_RETRY_SECONDS)
     if step.retry_in is not None:
         task_messages.send_finalize(settings, batch_id, countdown=step.retry_in)
 

@@ -17,7 +17,7 @@ import psycopg
 from sqlalchemy.exc import DataError
 from sqlalchemy.orm import Session
 
-from offpeak import endpoints, wire
+from offpeak import endpoints, enqueued, tenant_limits, wire
 from offpeak.ids import now
 from offpeak.settings import Settings
 from offpeak.statuses import BatchStatus
@@ -26,6 +26,7 @@ from storage.db import session_scope
 from storage.models import Batch
 from storage.repositories import batches as batches_repo
 from storage.repositories import files as files_repo
+from storage.repositories import quotas as quotas_repo
 from storage.repositories import requests as requests_repo
 from workers import webhook_delivery
 
@@ -44,6 +45,8 @@ class Outcome:
     model: str | None = None
     total: int = 0
     errors: list[dict[str, Any]] = field(default_factory=list)
+    #: Prompt + requested output tokens of the valid lines (``offpeak.enqueued``).
+    enqueued_tokens: int = 0
 
 
 def iter_lines(
@@ -127,6 +130,8 @@ class _Checker:
         #: The batch's model: the first line's, or the one set when the batch was created.
         self.model: str | None = model
         self.custom_ids: set[str] = set()
+        #: Enqueued tokens of the lines found valid so far (``offpeak.enqueued``).
+        self.enqueued_tokens = 0
 
     def check(self, number: int, raw: bytes) -> tuple[dict[str, Any] | None, str]:
         """The line's problem (a ``batch.errors.data`` entry) or ``None``, and its custom_id."""
@@ -176,7 +181,15 @@ class _Checker:
                 number,
                 "url",
             ), custom_id
-        return self._check_body(line["body"], number), custom_id
+        problem = self._check_body(line["body"], number)
+        if problem is None:
+            self._count(line["body"], len(raw))
+        return problem, custom_id
+
+    def _count(self, body: dict[str, Any], line_bytes: int) -> None:
+        config = self.settings.models.get(self.model or "")
+        max_model_len = config.max_model_len if config is not None else 0
+        self.enqueued_tokens += enqueued.line_tokens(self.endpoint, body, line_bytes, max_model_len)
 
     @staticmethod
     def _missing(line: dict[str, Any], number: int) -> dict[str, Any] | None:
@@ -263,6 +276,7 @@ def validate_into_rows(
             wire.batch_error(wire.EMPTY_FILE, "The input file holds no request lines.")
         )
     outcome.model = checker.model
+    outcome.enqueued_tokens = checker.enqueued_tokens
     return outcome
 
 
@@ -344,8 +358,10 @@ def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str |
         batch = batches_repo.get_any(session, batch_id)
         if batch is None or batch.status != BatchStatus.VALIDATING:
             return None
-        file = files_repo.get_any(session, batch.input_file_id)
-        if file is None or file.deleted or not blobs.exists(file.blob_key):
+        file = files_repo.get_any_of_tenant(session, batch.tenant_id, batch.input_file_id)
+        if file is None:
+            outcome = Outcome(errors=[_no_such_file(batch)])
+        elif file.deleted or not blobs.exists(file.blob_key):
             outcome = Outcome(
                 errors=[
                     wire.batch_error(
@@ -375,6 +391,9 @@ def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str |
         batch = batches_repo.get_for_update(session, batch_id, refresh=True)
         assert batch is not None
         if not outcome.errors and batch.status == BatchStatus.VALIDATING:
+            outcome.errors = _over_token_quota(session, settings, batch, outcome)
+        if not outcome.errors and batch.status == BatchStatus.VALIDATING:
+            batch.enqueued_tokens = outcome.enqueued_tokens
             batch.status, batch.in_progress_at = BatchStatus.IN_PROGRESS, now()
             batch.model, batch.total = outcome.model, outcome.total
             return outcome.model
@@ -384,7 +403,50 @@ def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str |
             return None  # cancelled meanwhile: finalize ends it as ``cancelled``
         batch.status, batch.failed_at = BatchStatus.FAILED, now()
         batch.errors = outcome.errors
+        batch.model = batch.model or outcome.model  # the lines' model, shown with the reason
         # The outbox commits with the status.
         webhook_delivery.record_final(session, settings, batch)
         log.info("batch %s failed validation: %d problems", batch_id, len(outcome.errors))
         return None
+
+
+def _no_such_file(batch: Batch) -> dict[str, Any]:
+    """The ``errors.data`` entry of a batch created with an input file its tenant does not
+    have: OpenAI's (recorded by llama-stack's compatibility tests, ``tests/integration/
+    batches/test_batches_errors.py``: ``invalid_request``, no line, param ``file_id``)."""
+    return wire.batch_error(
+        wire.INVALID_REQUEST,
+        f"Cannot find file {batch.input_file_id}, or organization {batch.tenant_id} does not "
+        "have access to it.",
+        param="file_id",
+    )
+
+
+def _over_token_quota(
+    session: Session, settings: Settings, batch: Batch, outcome: Outcome
+) -> list[dict[str, Any]]:
+    """``[token_limit_exceeded entry]`` when the batch's enqueued tokens and those its tenant's
+    running batches of the model still hold pass the tenant's ``max_enqueued_tokens``, else
+    ``[]``. Locks the tenant's row until the transaction ends, so two validations of one
+    tenant take turns here and the second counts the first's batch (``quotas_repo``)."""
+    limit = tenant_limits.resolve(
+        quotas_repo.lock_tenant(session, batch.tenant_id), settings.limits
+    ).max_enqueued_tokens
+    if limit is None or outcome.model is None:
+        return []
+    held = quotas_repo.enqueued_tokens(session, batch.tenant_id, outcome.model)
+    if held + outcome.enqueued_tokens <= limit:
+        return []
+    log.info(
+        "batch %s refused: %d enqueued tokens held + %d asked > %d",
+        batch.id, held, outcome.enqueued_tokens, limit,
+    )  # fmt: skip
+    # OpenAI's wording, which clients match on.
+    return [
+        wire.batch_error(
+            wire.TOKEN_LIMIT_EXCEEDED,
+            f"Enqueued token limit reached for {outcome.model} in organization "
+            f"{batch.tenant_id}. Limit: {limit:,} enqueued tokens. Please try again once some "
+            "in_progress batches have been completed.",
+        )
+    ]

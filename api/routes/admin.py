@@ -1,6 +1,7 @@
-"""``/v1/admin/scheduler``: pause and resume batch work, and the scheduler's view.
+"""``/v1/admin/scheduler``: pause and resume batch work, and the scheduler's view;
+``/v1/admin/tenants``: every tenant's weight, limits and use, and setting its overrides.
 
-Guarded by the admin key (``OFFPEAK_ADMIN_API_KEY``), not a tenant's: pausing affects everyone.
+Guarded by the admin key (``OFFPEAK_ADMIN_API_KEY``), not a tenant's: both affect everyone.
 """
 
 from __future__ import annotations
@@ -11,12 +12,22 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api import gate
-from api.deps import SessionDep
+from api.deps import SessionDep, SettingsDep
 from api.errors import Unauthorized, error_responses
-from api.schemas.admin import PauseRequest, PauseSwitch, ResumeRequest, SchedulerView
+from api.schemas.admin import (
+    PauseRequest,
+    PauseSwitch,
+    ResumeRequest,
+    SchedulerView,
+    TenantList,
+    TenantUpdate,
+    TenantView,
+)
 from api.services import admin as admin_service
+from api.services import tenants as tenants_service
 
 router = APIRouter(prefix="/v1/admin/scheduler", tags=["admin"])
+tenants_router = APIRouter(prefix="/v1/admin/tenants", tags=["admin"])
 
 
 admin_key_scheme = HTTPBearer(
@@ -56,3 +67,36 @@ def resume(body: ResumeRequest, session: SessionDep) -> PauseSwitch:
 )
 def scheduler_view(session: SessionDep) -> SchedulerView:
     return admin_service.view(session)
+
+
+@tenants_router.get(
+    "", response_model=TenantList, dependencies=[AdminDep], responses=error_responses(401)
+)
+def list_tenants(session: SessionDep, settings: SettingsDep) -> dict[str, object]:
+    return {"object": "list", "data": tenants_service.list_tenants(session, settings)}
+
+
+@tenants_router.get(
+    "/{tenant}",
+    response_model=TenantView,
+    dependencies=[AdminDep],
+    responses=error_responses(401, 404),
+)
+def show_tenant(session: SessionDep, settings: SettingsDep, tenant: str) -> dict[str, object]:
+    """``tenant``: the tenant's name or id."""
+    return tenants_service.show(session, settings, tenant)
+
+
+@tenants_router.post(
+    "/{tenant}",
+    response_model=TenantView,
+    dependencies=[AdminDep],
+    responses=error_responses(400, 401, 404, 413, 422),
+)
+def update_tenant(
+    body: TenantUpdate, session: SessionDep, settings: SettingsDep, tenant: str
+) -> dict[str, object]:
+    """Set the overrides the body names (``null``: back to the setting's default)."""
+    return tenants_service.set_overrides(
+        session, settings, tenant, body.model_dump(exclude_unset=True)
+    )

@@ -1,13 +1,16 @@
-"""``/v1/usage``: what the calling tenant was billed."""
+"""``/v1/usage``: what the calling tenant was billed; ``/v1/limits``: its quotas and rate limit
+beside its use of them."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.deps import CurrentTenant, SessionDep
+from api.deps import CurrentTenant, SessionDep, SettingsDep
 from api.errors import error_responses
+from api.schemas.admin import TenantLimitsView
 from api.schemas.usage import UsageReport
 from api.services import billing as billing_service
+from api.services import quotas as quotas_service
 from api.services.billing import GroupBy
 
 router = APIRouter(tags=["usage"])
@@ -24,3 +27,11 @@ def get_usage(
     """Requests, tokens, GPU-seconds, cost and price of the tenant's batches that ended in
     ``[start, end)`` (unix seconds), grouped by ``model`` or ``day`` (UTC)."""
     return billing_service.report(session, tenant.id, start=start, end=end, group_by=group_by)
+
+
+@router.get("/v1/limits", response_model=TenantLimitsView, responses=error_responses(401))
+def get_limits(
+    session: SessionDep, settings: SettingsDep, tenant: CurrentTenant
+) -> dict[str, object]:
+    """The calling tenant's limits in force (``null``: none) and its use of them."""
+    return quotas_service.of_tenant(session, settings, tenant.id)

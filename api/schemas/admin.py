@@ -63,3 +63,61 @@ class SchedulerView(BaseModel):
     switches: list[PauseSwitch]
     pools: list[PoolLoad]
     batches: list[BatchSchedule]
+
+
+class EnqueuedTokens(BaseModel):
+    """Enqueued tokens: the limit per model (``None``: none) and what each model's running
+    batches hold."""
+
+    limit_per_model: int | None
+    by_model: dict[str, int]
+
+
+class LimitUse(BaseModel):
+    limit: int | None
+    used: int
+
+
+class RateLimit(BaseModel):
+    """Requests per minute per key (``None``: no limit)."""
+
+    limit: int | None
+
+
+class TenantLimitsView(BaseModel):
+    """A tenant's limits in force beside its use of them (``GET /v1/limits``)."""
+
+    enqueued_tokens: EnqueuedTokens
+    batches_in_progress: LimitUse
+    stored_bytes: LimitUse
+    requests_per_minute: RateLimit
+
+
+class TenantView(TenantLimitsView):
+    """A tenant as the operator sees it: ``overrides`` are its own figures (``None``: the
+    setting's default), the rest the limits in force and its use."""
+
+    object: Literal["tenant"] = "tenant"
+    id: str
+    name: str
+    created_at: int
+    weight: float
+    overrides: dict[str, int | None]
+
+
+class TenantList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[TenantView]
+
+
+class TenantUpdate(BaseModel):
+    """Overrides to set; a field left out is left alone, ``null`` puts a limit back to the
+    setting's default. Limits are integers >= 0 (0 refuses everything), the weight > 0."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    weight: float | None = None
+    max_enqueued_tokens: int | None = None
+    max_batches_in_progress: int | None = None
+    max_file_bytes: int | None = None
+    requests_per_minute: int | None = None

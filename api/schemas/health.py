@@ -33,8 +33,11 @@ class ModelHealth(BaseModel):
     #: Seconds since the last engine worker serving the model was heard from; null while one is
     #: alive, or when none has ever registered (within the records kept: 7 days).
     seconds_without_engine_worker: float | None
-    #: E.g. "no engine worker serving X for 75 s"; null while the model is served.
+    #: E.g. "no engine worker serving X for 75 s"; null while the model is served, or while an
+    #: engine worker for it is loading within ``OFFPEAK_ENGINE_LOAD_GRACE_SECONDS``.
     message: str | None
+    #: Ids of the engine workers loading the model's engine (within that grace), not yet live.
+    loading_engine_workers: list[str] = []
 
 
 class HealthStatus(BaseModel):

@@ -12,6 +12,7 @@ from api.errors import BadRequest, Conflict, NotFound, unknown_cursor
 from api.schemas.batches import CreateBatch, batch_json
 from api.services import billing as billing_service
 from api.services import files as files_service
+from api.services import quotas as quotas_service
 from offpeak import endpoints
 from offpeak.endpoints import anthropic_messages
 from offpeak.ids import new_id, now
@@ -85,7 +86,8 @@ def _refuse_endpoint(endpoint: str) -> None:
 def create(session: Session, settings: Settings, tenant_id: str, request: CreateBatch) -> Batch:
     """Record a batch in ``validating`` and queue its validation.
 
-    Raises ``NotFound`` (input file), ``BadRequest`` (endpoint, window, metadata, purpose).
+    Raises ``BadRequest`` (endpoint, window, metadata, the input file's purpose) and
+    ``QuotaExceeded`` (``max_batches_in_progress``); an unknown input file fails validation.
     """
     target = endpoints.ENDPOINTS.get(request.endpoint)
     # Anthropic's /v1/messages lines come only through the Message Batches API.
@@ -99,15 +101,16 @@ def create(session: Session, settings: Settings, tenant_id: str, request: Create
         )
     metadata = _check_metadata(request.metadata)
     output_expires_after = _output_expiry_seconds(request.output_expires_after)
+    # An unknown input file is no 404: as at OpenAI the batch is created and its validation
+    # fails it, naming the file (``workers.validation``).
     file = files_repo.get(session, tenant_id, request.input_file_id)
-    if file is None:
-        raise NotFound(f"No such File object: {request.input_file_id}", param="input_file_id")
-    if file.purpose != "batch":
+    if file is not None and file.purpose != "batch":
         raise BadRequest(
             f"File {file.id} has purpose {file.purpose!r}; a batch needs a file "
             "uploaded with purpose 'batch'.",
             param="input_file_id",
         )
+    quotas_service.admit_batch(session, settings, tenant_id)
     created = now()
     batch = batches_repo.add(
         session,
@@ -115,7 +118,7 @@ def create(session: Session, settings: Settings, tenant_id: str, request: Create
             id=new_id("batch_"),
             tenant_id=tenant_id,
             endpoint=request.endpoint,
-            input_file_id=file.id,
+            input_file_id=request.input_file_id,
             completion_window=request.completion_window,
             status=BatchStatus.VALIDATING,
             metadata_=metadata,

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, NotFound, PayloadTooLarge, unknown_cursor
 from api.schemas.files import file_json
+from api.services import quotas as quotas_service
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings
 from storage.blobs import CHUNK_BYTES, BlobStore
@@ -51,9 +52,10 @@ def upload(
 ) -> File:
     """Store an uploaded file, reading ``stream`` in 1 MiB pieces (never whole).
 
-    Raises ``BadRequest`` (purpose, expiry, non-UTF-8 bytes) or ``PayloadTooLarge`` (over
-    ``settings.max_file_bytes``), and what the row's insert raises (the database unavailable:
-    the API's 503). Nothing is stored when it raises: the bytes are deleted again.
+    Raises ``BadRequest`` (purpose, expiry, non-UTF-8 bytes), ``PayloadTooLarge`` (over
+    ``settings.max_file_bytes``), ``QuotaExceeded`` (over the tenant's stored-bytes quota,
+    ``api.services.quotas.admit_upload``), and what the row's insert raises (the database
+    unavailable: the API's 503). Nothing is stored when it raises: the bytes are deleted again.
 
     One gap: when the request's commit fails after this returned (the database went away
     between the insert and the commit), the bytes stay under ``files/<id>`` with no row: never
@@ -119,6 +121,7 @@ def upload(
         deleted=False,
     )
     try:
+        quotas_service.admit_upload(session, settings, tenant_id, size)
         return files_repo.add(session, file)
     except BaseException:
         blobs.delete(key)

@@ -16,7 +16,7 @@ from typing import Literal
 
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -24,7 +24,7 @@ import migrations
 from api.schemas.health import Health, HealthStatus, ModelHealth, Ready, WorkerHealth
 from offpeak import __version__
 from offpeak.settings import Settings
-from storage.db import get_engine
+from storage.db import connect_args, get_engine
 from storage.models import WorkerRecord
 from storage.repositories import workers as workers_repo
 
@@ -50,7 +50,14 @@ def duration(seconds: float) -> str:
     return f"{s // 86400} d" + (f" {s % 86400 // 3600} h" if s % 86400 // 3600 else "")
 
 
-def no_engine_message(model: str, seconds: float | None) -> str:
+def no_engine_message(model: str, seconds: float | None, loading: float | None = None) -> str:
+    """Why ``model`` has no live engine worker: none registered, none for ``seconds``, or one
+    has been loading for ``loading`` seconds (past the grace)."""
+    if loading is not None:
+        return (
+            f"no engine worker serving {model}: one has been loading for {duration(loading)} "
+            "(see its log)"
+        )
     if seconds is None:
         return f"no engine worker serving {model}: none has registered"
     return f"no engine worker serving {model} for {duration(seconds)}"
@@ -104,12 +111,23 @@ def liveness(session: Session, settings: Settings, at: float | None = None) -> L
         live = [r.id for r in serving if r in alive]
         last = max((r.heartbeat_at for r in serving), default=None)
         without = None if live or last is None else max(at - last, 0.0)
+        # A worker loading its engines (minutes for a large model) is no alarm within the grace;
+        # past it, the wait is counted from its start, not from a previous run's last beat.
+        loading = {r.id: at - r.started_at for r in serving if workers_repo.is_loading(r)}
+        grace = settings.engine_load_grace_seconds
+        in_grace = [i for i, s in loading.items() if s <= grace]
+        message = None
+        if not live and not in_grace:
+            newest = max(serving, key=lambda r: r.heartbeat_at, default=None)
+            late = loading.get(newest.id) if newest is not None else None
+            message = no_engine_message(model, without, late)
         models.append(
             ModelHealth(
                 model=model,
                 engine_workers=live,
                 seconds_without_engine_worker=without,
-                message=None if live else no_engine_message(model, without),
+                message=message,
+                loading_engine_workers=[] if live else in_grace,
             )
         )
     controls = [r for r in records if _has_role(r, "control")]
@@ -133,6 +151,7 @@ def alerts(session: Session, settings: Settings, at: float) -> list[dict[str, ob
             "message": m.message,
         }
         for m in state.unserved
+        if m.message
     ]
     control = state.control_problem()
     if control:
@@ -144,23 +163,28 @@ def alerts(session: Session, settings: Settings, at: float) -> list[dict[str, ob
 @lru_cache(maxsize=8)
 def probe_engine(url: str) -> Engine:
     """An engine for health checks only: a small pool that fails in ``DB_TIMEOUT_SECONDS``
-    instead of waiting behind the request pool or a hung server."""
+    instead of waiting behind the request pool or a hung server.
+
+    The statement timeout is set per transaction (``SET LOCAL``), not as a startup parameter,
+    which a pooler such as PgBouncer refuses (``unsupported startup parameter: options``)."""
     if url.startswith("sqlite"):
         return get_engine(url)  # a local file: no network to time out on
-    connect_args: dict[str, object] = {}
-    if url.startswith("postgresql"):
-        connect_args = {
-            "connect_timeout": DB_TIMEOUT_SECONDS,
-            "options": f"-c statement_timeout={DB_TIMEOUT_SECONDS * 1000}",
-        }
-    return create_engine(
+    if not url.startswith("postgresql"):
+        return create_engine(url, pool_size=1, max_overflow=4, pool_timeout=DB_TIMEOUT_SECONDS)
+    engine = create_engine(
         url,
         pool_size=1,
         max_overflow=4,
         pool_timeout=DB_TIMEOUT_SECONDS,
         pool_pre_ping=True,
-        connect_args=connect_args,
+        connect_args={**connect_args(url), "connect_timeout": DB_TIMEOUT_SECONDS},
     )
+
+    @event.listens_for(engine, "begin")
+    def _statement_timeout(connection: Connection) -> None:
+        connection.exec_driver_sql(f"SET LOCAL statement_timeout = {DB_TIMEOUT_SECONDS * 1000}")
+
+    return engine
 
 
 @lru_cache(maxsize=8)
@@ -287,7 +311,12 @@ def for_viewer(health: Health, viewer: Viewer) -> Health | HealthStatus:
                 w.model_copy(update={"id": _opaque(w.id), "hostname": None}) for w in health.workers
             ],
             "models": [
-                m.model_copy(update={"engine_workers": [_opaque(i) for i in m.engine_workers]})
+                m.model_copy(
+                    update={
+                        "engine_workers": [_opaque(i) for i in m.engine_workers],
+                        "loading_engine_workers": [_opaque(i) for i in m.loading_engine_workers],
+                    }
+                )
                 for m in health.models
             ],
         }

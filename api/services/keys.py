@@ -51,7 +51,12 @@ class _KeyCache:
 
     def put(self, key_hash: str, tenant: Tenant) -> None:
         # A transient copy, in no session, so no session's expiry or refresh can change it.
-        copy = Tenant(id=tenant.id, name=tenant.name, created_at=tenant.created_at)
+        copy = Tenant(
+            id=tenant.id,
+            name=tenant.name,
+            created_at=tenant.created_at,
+            requests_per_minute=tenant.requests_per_minute,
+        )
         with self._lock:
             self._entries[key_hash] = (copy, time.monotonic())
             self._entries.move_to_end(key_hash)
@@ -78,10 +83,17 @@ def ensure_tenant(session: Session, name: str) -> Tenant:
 def create_key(session: Session, tenant_name: str, key_name: str | None = None) -> str:
     """Make a new key for ``tenant_name`` (created if new). Returns the key in plain text; it is
     shown once and cannot be recovered."""
+    return issue_key(session, tenant_name, key_name)[1]
+
+
+def issue_key(
+    session: Session, tenant_name: str, key_name: str | None = None
+) -> tuple[ApiKey, str]:
+    """``create_key`` with the stored record too: ``(record, key in plain text)``."""
     tenant = ensure_tenant(session, tenant_name)
     key = KEY_PREFIX + secrets.token_urlsafe(32)
-    tenants_repo.add_key(session, tenant.id, hash_key(key), key[: len(KEY_PREFIX) + 4], key_name)
-    return key
+    prefix = key[: len(KEY_PREFIX) + 4]
+    return tenants_repo.add_key(session, tenant.id, hash_key(key), prefix, key_name), key
 
 
 def ensure_key(session: Session, tenant_name: str, key: str) -> None:
@@ -112,6 +124,11 @@ def tenant_for_key(db: Executor, key: str) -> Tenant | None:
     if tenant is not None:
         _cache.put(key_hash, tenant)
     return tenant
+
+
+def forget_cached() -> None:
+    """Forget every key's cached tenant in this process (a tenant's rate limit changed)."""
+    _cache.clear()
 
 
 def list_keys(session: Session, tenant_name: str | None = None) -> list[tuple[ApiKey, str]]:

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, NotFound
 from api.schemas.message_batches import CreateMessageBatch, MessageBatchRequestCounts
+from api.services import quotas as quotas_service
 from offpeak.endpoints import anthropic_messages
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings, window_seconds
@@ -113,7 +114,8 @@ def create(
     """Record a Message Batch from the create body ``raw`` (JSON bytes) and queue its
     validation. Raises ``BadRequest`` for a body that is not ``{requests: [{custom_id,
     params}]}`` with 1–100,000 requests, a malformed or repeated ``custom_id``, or two served
-    models. Nothing is stored when it raises."""
+    models, and ``QuotaExceeded`` past the tenant's batches-in-progress or storage quota.
+    Nothing is stored when it raises."""
     body = _parse(raw)
     model = _batch_model(body, dict(settings.models))
     batch_id = new_id("msgbatch_")
@@ -130,6 +132,8 @@ def create(
         raise
     created = now()
     try:
+        quotas_service.admit_batch(session, settings, tenant_id)
+        quotas_service.admit_upload(session, settings, tenant_id, size)
         files_repo.add(
             session,
             File(

@@ -102,8 +102,8 @@ function renderBatches(batches) {
     bar.firstChild.style.width = pct.toFixed(1) + "%";
     const usage = b.usage;
     body.append(el("tr", { "data-batch": b.id, "data-done": done, "data-total": counts.total },
-      el("td", {}, el("code", { textContent: b.id })),
-      el("td", { textContent: b.model || "–" }),
+      el("td", { class: "id", title: b.id }, el("code", { textContent: b.id })),
+      el("td", { class: "model", title: b.model || "", textContent: b.model || "–" }),
       el("td", {}, el("span", { class: "badge " + b.status, textContent: b.status })),
       el("td", {}, bar, el("span", { class: "pct", textContent: pct.toFixed(0) + "%" })),
       el("td", { class: "num",
@@ -118,7 +118,23 @@ function renderBatches(batches) {
       // The scheduler's estimate of the last line's finish, while the batch runs.
       el("td", { textContent: !ENDED.has(b.status) && b.estimated_completion_at
         ? clock(b.estimated_completion_at, true) : "–" })));
+    const reason = whyItEnded(b);
+    if (reason) {
+      body.append(el("tr", { class: "reason", "data-reason-for": b.id },
+        el("td", { colSpan: 12, textContent: reason })));
+    }
   }
+}
+
+// A failed (or expired) batch's errors, under its row: the first one with its line, and how
+// many more there are (`offpeak status ID` lists them).
+function whyItEnded(b) {
+  const errors = (b.errors && b.errors.data) || [];
+  if (!errors.length || !["failed", "expired", "cancelled"].includes(b.status)) return "";
+  const e = errors[0];
+  const where = e.line === null || e.line === undefined ? "" : `line ${num(e.line)}: `;
+  const more = errors.length > 1 ? ` (and ${num(errors.length - 1)} more)` : "";
+  return `${b.status}: ${where}${e.message}${e.code ? ` (${e.code})` : ""}${more}`;
 }
 
 function renderChart(series) {

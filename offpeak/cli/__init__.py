@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from offpeak.cli import batch_commands
+from offpeak.cli import batch_commands, help_text, keys
 from offpeak.cli.bench import bench_app
 from offpeak.cli.plan import calibrate_command, plan_app, simulate_app
 from offpeak.cli.sched import (
@@ -26,6 +26,7 @@ from offpeak.cli.sched import (
     simulate_colocate_command,
     simulate_day_command,
 )
+from offpeak.cli.tenants import tenants_app
 from offpeak.cli.webhooks import webhooks_app
 from offpeak.settings import get_settings
 
@@ -36,21 +37,36 @@ app.add_typer(plan_app, name="plan")
 app.add_typer(simulate_app, name="simulate")
 app.add_typer(bench_app, name="bench")
 app.add_typer(webhooks_app, name="webhooks")
+app.add_typer(tenants_app, name="tenants")
 console = Console()
 
 
 @app.command()
-def migrate() -> None:
-    """Create or upgrade the database schema (Alembic ``upgrade head``)."""
+def migrate(
+    create: Annotated[
+        bool,
+        typer.Option("--create", help="Make a new, empty embedded database if there is none."),
+    ] = False,
+) -> None:
+    """Create or upgrade the database schema (Alembic ``upgrade head``).
+
+    With the embedded SQLite database and OFFPEAK_DATA_DIR unset (the default ``.offpeak``
+    folder of the current directory), a new database is made only with --create: run from
+    another folder, migrate would otherwise start an empty one there. Exits 1 saying so."""
     import migrations
+    from offpeak.cli import embedded_db
 
     settings = get_settings()
+    refusal = embedded_db.new_database_refusal(settings, create)
+    if refusal:
+        Console(stderr=True, soft_wrap=True).print(f"[red]{refusal}[/red]")
+        raise typer.Exit(1)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     migrations.upgrade(settings.resolved_database_url)
     from sqlalchemy.engine import make_url
 
     shown = make_url(settings.resolved_database_url).render_as_string(hide_password=True)
-    console.print(f"database at revision head: {shown}")
+    console.print(f"database at revision head: {shown}", soft_wrap=True)
 
 
 @app.command()
@@ -152,8 +168,9 @@ def worker(
         unknown = [m for m in settings.served_models if m not in settings.models]
         if unknown:
             raise typer.BadParameter(f"not configured: {', '.join(unknown)}", param_hint="--models")
-        from workers import tasks
+        from workers import liveness, tasks
 
+        liveness.announce_loading(settings, settings.served_models)  # no alarm while it loads
         tasks.start_runners(settings)  # engines loaded, runners built: a drain starts at once
         from storage import task_messages
         from storage.db import session_scope
@@ -212,17 +229,24 @@ def up(
     ] = None,
 ) -> None:
     """Run the whole service on this machine: migrate, then the API, a control worker and the
-    engine workers as child processes. A process that exits is restarted (backoff 1, 2, 4 ... 60
+    engine workers as child processes. Exits 1 at once, starting nothing, when the API's port is
+    taken (naming what holds it). A process that exits is restarted (backoff 1, 2, 4 ... 60
     s) and the restart logged; Ctrl-C or SIGTERM stops them all, vLLM's engine-core included
     (a second Ctrl-C kills them at once)."""
     import logging
     import subprocess
     import sys
 
-    from offpeak.cli.supervisor import Supervisor, up_children
+    from offpeak.cli.port_check import PortTakenError, ensure_free
+    from offpeak.cli.supervisor import Supervisor, host_engines, up_children
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = get_settings()
+    try:  # before anything starts: a taken port made the API restart forever beside workers
+        ensure_free(host or settings.api_host, port or settings.api_port)
+    except PortTakenError as exc:
+        Console(stderr=True).print(f"[red]offpeak up: {exc}[/red]", soft_wrap=True)
+        raise typer.Exit(1) from None
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     folder = log_dir or settings.data_dir.resolve() / "logs"
     migrated = subprocess.run([sys.executable, "-m", "offpeak", "migrate"], check=False)
@@ -232,32 +256,22 @@ def up(
     shown_port = port or settings.api_port
     console.print(
         f"Offpeak up: API on http://{host or settings.api_host}:{shown_port}/v1 · "
-        f"{', '.join(c.name for c in children)} · logs in {folder} · Ctrl-C stops everything"
+        f"{', '.join(c.name for c in children)} · logs in {folder} · Ctrl-C stops everything",
+        soft_wrap=True,
     )
-    raise typer.Exit(Supervisor(children, {}, folder).run())
+    raise typer.Exit(Supervisor(children, host_engines(engines, models), folder).run())
 
 
-@keys_app.command("create")
-def keys_create(
-    tenant: Annotated[str, typer.Option(help="Tenant name (created if new).")],
-    name: Annotated[str | None, typer.Option(help="A label for the key.")] = None,
-) -> None:
-    """Make an API key for a tenant and print it (shown once; only its hash is stored)."""
-    from api.services import keys
-    from storage.db import session_scope
-
-    with session_scope(get_settings().resolved_database_url) as session:
-        key = keys.create_key(session, tenant, name)
-    typer.echo(key)
+def _base_url() -> str:
+    settings = get_settings()
+    return os.environ.get("OPENAI_BASE_URL") or f"http://{settings.api_host}:{settings.api_port}/v1"
 
 
 def _client():  # type: ignore[no-untyped-def]
     from openai import OpenAI
 
     settings = get_settings()
-    base_url = (
-        os.environ.get("OPENAI_BASE_URL") or f"http://{settings.api_host}:{settings.api_port}/v1"
-    )
+    base_url = _base_url()
     api_key = os.environ.get("OPENAI_API_KEY") or settings.local_api_key
     if not api_key:
         raise typer.BadParameter("set OPENAI_API_KEY (see `offpeak keys create`)")
@@ -277,6 +291,11 @@ def submit(
     --wait, warns on stderr when no live worker can run the batch (from the server's /healthz)."""
     from offpeak.cli import client as client_tools
 
+    if not client_tools.has_content(file):
+        Console(stderr=True, soft_wrap=True).print(
+            f"{file} is empty: there is no request line to submit"
+        )
+        raise typer.Exit(1)
     batch = client_tools.submit(_client(), file, endpoint, window)
     console.print(f"batch [bold]{batch.id}[/bold] created ({batch.status})")
     if wait:
@@ -284,30 +303,18 @@ def submit(
 
 
 def wait_and_exit(batch_id: str, model: str | None) -> None:
-    """Show progress until the batch ends, print its summary, and exit with its outcome
-    (``exit_codes.FOR_STATUS``: 0 completed, 3 failed, 4 expired, 5 cancelled), saying on
-    stderr why when it is not 0."""
-    from rich.text import Text
+    """``offpeak.cli.watching.wait_and_exit`` with this CLI's client and console."""
+    from offpeak.cli import watching
 
-    from offpeak.cli import client as client_tools
-    from offpeak.cli import exit_codes
+    watching.wait_and_exit(_client(), batch_id, model, console)
 
-    # Warnings go to stderr (inside the progress display on a terminal), never failing.
-    stderr = Console(stderr=True)
-    batch = client_tools.wait_with_progress(
-        _client(),
-        batch_id,
-        console,
-        model=model,
-        warn=lambda message: stderr.print(
-            Text.assemble(("warning: ", "yellow"), message), soft_wrap=True
-        ),
-    )
-    client_tools.print_summary(batch, console)
-    code = exit_codes.FOR_STATUS.get(batch.status, exit_codes.ERROR)
-    if code != exit_codes.OK:
-        stderr.print(f"batch {batch.id} ended {batch.status} (exit {code})")
-        raise typer.Exit(code)
+
+@app.command()
+def watch(batch_id: str) -> None:
+    """Show an existing batch's progress until it ends, as ``submit --wait`` does, and exit with
+    its outcome (0 completed, 3 failed, 4 expired, 5 cancelled; 130 after Ctrl-C, which stops
+    the watching, not the batch)."""
+    wait_and_exit(batch_id, None)
 
 
 @app.command()
@@ -323,15 +330,18 @@ def usage_command(
     days: Annotated[int, typer.Option(help="Batches that ended in the last DAYS days.")] = 30,
     group_by: Annotated[str, typer.Option(help="model, day or none.")] = "model",
 ) -> None:
-    """What this key's tenant was billed: requests, tokens, GPU-seconds, cost, price, saving."""
+    """What this key's tenant was billed: requests, tokens, GPU-seconds, cost, price, saving;
+    then its quotas and rate limit beside its use of them."""
     import time
 
     from offpeak.cli import client as client_tools
 
     end = int(time.time()) + 1
     grouping = None if group_by == "none" else group_by
-    report = client_tools.usage(_client(), end - days * 86_400, end, grouping)
+    client = _client()
+    report = client_tools.usage(client, end - days * 86_400, end, grouping)
     client_tools.print_usage(report, console)
+    client_tools.print_limits(client_tools.limits(client), console)
 
 
 @app.command()
@@ -371,8 +381,9 @@ app.command("list")(batch_commands.list_command)
 app.command("cancel")(batch_commands.cancel_command)
 app.command("retry")(batch_commands.retry_command)
 app.command("estimate")(batch_commands.estimate_command)
-keys_app.command("list")(batch_commands.keys_list_command)
-keys_app.command("revoke")(batch_commands.keys_revoke_command)
+keys_app.command("create")(keys.create_command)
+keys_app.command("list")(keys.list_command)
+keys_app.command("revoke")(keys.revoke_command)
 keys_app.command("new-secret-key")(batch_commands.keys_new_secret_key_command)
 keys_app.command("reseal")(batch_commands.keys_reseal_command)
 app.command("calibrate")(calibrate_command)
@@ -388,16 +399,9 @@ def _database_folder_problem(exc: Exception) -> str | None:
     ``offpeak migrate`` yet), naming the folder; ``None`` for any other database error."""
     if "unable to open database file" not in str(exc):
         return None
-    settings = get_settings()
-    url = settings.resolved_database_url
-    folder = Path(url.removeprefix("sqlite:///")).parent if url.startswith("sqlite:") else None
-    where = f"the folder {folder} does not exist" if folder and not folder.is_dir() else str(url)
-    return (
-        f"cannot open the embedded database: {where} (OFFPEAK_DATA_DIR="
-        f"{os.environ.get('OFFPEAK_DATA_DIR', '.offpeak')!r}, from {Path.cwd()}); run from the "
-        "folder you started Offpeak in, set OFFPEAK_DATA_DIR to an absolute path, or run "
-        "`offpeak migrate` to create it"
-    )
+    from offpeak.cli import embedded_db
+
+    return embedded_db.open_failure(get_settings())
 
 
 def main() -> None:
@@ -430,4 +434,21 @@ def main() -> None:
         except Exception:  # not our error shape (a proxy's page): show the status only
             message = exc.response.text[:200]
         console.print(f"[red]error {exc.status_code}: {message}[/red]", soft_wrap=True)
+        hint = _base_url_hint(exc.status_code, _base_url())
+        if hint:
+            console.print(hint, soft_wrap=True)
         raise SystemExit(exit_codes.ERROR) from None
+
+
+def _base_url_hint(status_code: int, base_url: str) -> str | None:
+    """For a 404 from a base URL that does not end in ``/v1`` (the OpenAI SDK appends the
+    route, e.g. ``/batches``, to it): the URL to try instead."""
+    if status_code != 404 or base_url.rstrip("/").endswith("/v1"):
+        return None
+    return (
+        f"hint: OPENAI_BASE_URL is {base_url}; Offpeak's routes are under /v1, so it should "
+        f"likely be {base_url.rstrip('/')}/v1"
+    )
+
+
+help_text.unwrap_all(app)

@@ -1,19 +1,18 @@
 """Client commands on batches beyond submit/status/download: ``list``, ``cancel``, ``retry``
-and ``estimate``, and the operator's ``keys list`` / ``keys revoke``.
+and ``estimate``, and the operator's ``keys new-secret-key`` / ``keys reseal``.
 
 The batch commands go through the official ``openai`` SDK (``offpeak.cli._client``: the same
 ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``) and exit with ``offpeak.cli.exit_codes``; ``estimate``
-needs no server; the ``keys`` commands work on the database, like ``keys create``.
+needs no server; the ``keys`` commands work on the database (``offpeak.cli.keys`` has the
+others).
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -78,7 +77,7 @@ def retry_command(
         errors.print(str(exc))
         raise typer.Exit(exit_codes.NOTHING_TO_DO) from None
     console.print(
-        f"batch [bold]{batch.id}[/bold] created ({batch.status}): {lines} lines of {batch_id}"
+        f"batch [bold]{batch.id}[/bold] created ({batch.status}): {lines:,} lines of {batch_id}"
     )
     if wait:
         from offpeak import cli
@@ -102,9 +101,19 @@ def estimate_command(
     print_estimate(estimate, console)
     if unusable:
         errors.print(
-            f"warning: {unusable} lines are not request lines of this model and endpoint "
+            f"warning: {not_request_lines(unusable)} of this model and endpoint "
             "(validation would fail the batch)"
         )
+
+
+def not_request_lines(numbers: list[int], shown: int = 10) -> str:
+    """``line 4 is not a request line`` / ``3 lines are not request lines: 2, 5, 9`` (the first
+    ``shown`` numbers, then how many more)."""
+    if len(numbers) == 1:
+        return f"line {numbers[0]:,} is not a request line"
+    listed = ", ".join(f"{n:,}" for n in numbers[:shown])
+    more = f" and {len(numbers) - shown:,} more" if len(numbers) > shown else ""
+    return f"{len(numbers):,} lines are not request lines: {listed}{more}"
 
 
 def print_estimate(estimate: dict, console: Console) -> None:  # type: ignore[type-arg]
@@ -120,50 +129,6 @@ def print_estimate(estimate: dict, console: Console) -> None:  # type: ignore[ty
         if value is not None:
             table.add_row(key, str(value))
     console.print(table)
-
-
-def keys_list_command(
-    tenant: Annotated[str | None, typer.Option(help="Only this tenant's keys.")] = None,
-) -> None:
-    """API keys: id, tenant, name, first characters, created and revoked (UTC). The key itself
-    cannot be shown (only its hash is kept)."""
-    from api.services import keys
-    from storage.db import session_scope
-
-    def when(at: int | None) -> str:
-        return time.strftime("%Y-%m-%d", time.gmtime(at)) if at else "-"
-
-    table = Table(title="API keys", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0))
-    for name in ("id", "tenant", "name", "starts", "created", "revoked"):
-        table.add_column(name, no_wrap=name in ("id", "starts", "created", "revoked"))
-    with session_scope(get_settings().resolved_database_url) as session:
-        for key, tenant_name in keys.list_keys(session, tenant):
-            table.add_row(
-                key.id,
-                tenant_name,
-                key.name or "-",
-                key.prefix + "…",
-                when(key.created_at),
-                when(key.revoked_at),
-            )
-    console.print(table)
-
-
-def keys_revoke_command(
-    key_id: Annotated[str, typer.Argument(help="The key's id (key_…).")],
-) -> None:
-    """Revoke a key by its id (``offpeak keys list`` shows ids): the API answers it 401 within
-    5 s (each API process caches keys that long). Revoking it again changes nothing."""
-    from api.services import keys
-    from storage.db import session_scope
-
-    with session_scope(get_settings().resolved_database_url) as session:
-        try:
-            key = keys.revoke_key(session, key_id)
-        except keys.UnknownKeyError:
-            errors.print(f"no key has id {key_id!r} (see `offpeak keys list`)")
-            raise typer.Exit(exit_codes.ERROR) from None
-        console.print(f"key {key.id} ({key.prefix}…) revoked")
 
 
 def keys_new_secret_key_command() -> None:

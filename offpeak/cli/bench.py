@@ -1,4 +1,4 @@
-"""``offpeak bench e2e|kv-blocks|intake|control|memory|embeddings|…``: the benchmarks of
+"""``offpeak bench e2e|kv-blocks|intake|control|tenants|memory|embeddings|…``: the benchmarks of
 ``bench/`` (see ``docs/benchmarks.md``). Each prints a table and writes
 ``bench/results/<name>.json``.
 
@@ -134,6 +134,35 @@ def control(
     from bench import control as module
 
     module.run(lines, out, profile)
+
+
+@bench_app.command("tenants")
+def tenants(
+    big_tenants: Annotated[int, typer.Option(help="Tenants with a big batch each.")] = 3,
+    big_lines: Annotated[int, typer.Option(help="Lines of each big batch.")] = 3000,
+    big_every: Annotated[float, typer.Option(help="Seconds between big batches.")] = 10.0,
+    small_batches: Annotated[int, typer.Option(help="The small tenant's batches.")] = 4,
+    small_lines: Annotated[int, typer.Option(help="Lines of each small batch.")] = 5,
+    small_from: Annotated[float, typer.Option(help="Seconds to the first small batch.")] = 30.0,
+    claim_lines: Annotated[
+        int, typer.Option(help="Lines of the claim's own rate on PostgreSQL (0: not measured).")
+    ] = 30_000,
+    out: OutDir = None,
+) -> None:
+    """Tenants sharing one engine (the real runner on the simulation's engine and store): small
+    batches against their time alone, Jain's index of the big tenants' engine share, deadline
+    misses and the claim rate, for the fair share and earliest deadline first."""
+    from bench import tenants as module
+
+    params = module.Params(
+        big_tenants=big_tenants,
+        big_lines=big_lines,
+        big_every=big_every,
+        small_batches=small_batches,
+        small_lines=small_lines,
+        small_from=small_from,
+    )
+    module.run(params, out, claim_lines)
 
 
 @bench_app.command("overhead")

@@ -3,8 +3,6 @@ a user's own code would talk to Offpeak."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,21 +11,10 @@ from openai import APIError, OpenAI
 from openai.types import Batch
 from rich import box
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    Progress,
-    ProgressColumn,
-    Task,
-    TextColumn,
-)
 from rich.table import Table
-from rich.text import Text
 
 from offpeak.billing import format_usd
 from offpeak.statuses import BatchStatus
-
-#: Seconds between two reads of ``/healthz`` while waiting (each may warn once).
-HEALTH_EVERY_SECONDS = 10.0
 
 
 def first_url(path: Path) -> str:
@@ -43,6 +30,12 @@ def first_url(path: Path) -> str:
                     url = None
                 return url if isinstance(url, str) and url else "/v1/chat/completions"
     return "/v1/chat/completions"
+
+
+def has_content(path: Path) -> bool:
+    """Whether the file holds anything but whitespace (and a byte-order mark)."""
+    with path.open("rb") as handle:
+        return any(raw.strip().removeprefix(b"\xef\xbb\xbf").strip() for raw in handle)
 
 
 def first_model(path: Path) -> str | None:
@@ -80,7 +73,7 @@ def liveness_warnings(answer: dict[str, Any], model: str | None) -> dict[str, st
     if answer.get("database") != "ok":
         return out  # nothing is known about the workers
     for row in answer.get("models") or []:
-        if model is not None and row.get("model") == model and not row.get("engine_workers"):
+        if model is not None and row.get("model") == model and row.get("message"):
             message = row.get("message") or f"no engine worker serving {model}"
             out["engine"] = f"{message}; the batch waits until one runs (`offpeak worker`)"
     roles = [str(w.get("role", "")).split(",") for w in answer.get("workers") or []]
@@ -109,114 +102,6 @@ def submit(
     )
 
 
-class _EtaColumn(ProgressColumn):
-    """Time left to the server's ``estimated_completion_at`` (the scheduler's estimate from
-    the engine's measured pace), rather than rich's guess from the bar's speed, which is
-    wrong while a chunk decodes and no line has finished yet."""
-
-    def render(self, task: Task) -> Text:
-        eta = task.fields.get("eta")
-        if eta is None:
-            return Text("ETA -:--:--", style="progress.remaining")
-        left = max(int(eta - time.time()), 0)
-        return Text(
-            f"ETA {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}", "progress.remaining"
-        )
-
-
-def progress_position(batch: Batch, at: float) -> float:
-    """Where the bar stands, in request lines: the finished lines, moved on while lines run by
-    the share of the time between ``in_progress_at`` and the server's ``estimated_completion_at``
-    that has passed (never past the last unfinished line, so only a finished batch shows 100%).
-    The API shows a line's tokens once it finishes (results are written every second); until
-    then the ETA is what it knows about running lines."""
-    counts = batch.request_counts
-    total = counts.total if counts else 0
-    done = (counts.completed + counts.failed) if counts else 0
-    if batch.status in BatchStatus.FINAL or not total or done >= total:
-        return float(done)
-    eta = (batch.model_extra or {}).get("estimated_completion_at")
-    began = batch.in_progress_at
-    if eta is None or began is None or eta <= began:
-        return float(done)
-    share = min(max((at - began) / (eta - began), 0.0), 1.0)
-    return min(max(float(done), share * total), total - 0.5)
-
-
-def wait_with_progress(
-    client: OpenAI,
-    batch_id: str,
-    console: Console,
-    poll: float = 1.0,
-    *,
-    model: str | None = None,
-    warn: Callable[[str], None] | None = None,
-) -> Batch:
-    """Poll until the batch ends, with a progress bar of request lines (``progress_position``:
-    finished lines, moving with the server's ETA while lines run), the finished count, output
-    tokens/s since the first poll and the time left to ``estimated_completion_at``.
-
-    With ``warn``, reads ``/healthz`` every ``HEALTH_EVERY_SECONDS`` while the batch runs and
-    calls ``warn`` (once per kind) when no live engine worker serves the batch's model (the
-    server's, else ``model``) or no control worker is alive. It never fails the wait."""
-    warned: set[str] = set()
-    next_health = 0.0
-    # 80 columns: the batch id is printed above by ``submit``; elapsed time is left out.
-    columns = (
-        BarColumn(bar_width=20),
-        TextColumn("{task.fields[finished]}"),
-        TextColumn("{task.fields[detail]}"),
-        _EtaColumn(),
-    )
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task(batch_id, total=None, detail="", finished="", eta=None)
-        started = time.monotonic()
-        first_tokens: int | None = None
-        while True:
-            batch = client.batches.retrieve(batch_id)
-            counts = batch.request_counts
-            done = (counts.completed + counts.failed) if counts else 0
-            tokens = batch.usage.output_tokens if batch.usage else 0
-            # Tokens since the first poll: a batch already half done when we attach would
-            # otherwise show an inflated rate.
-            first_tokens = tokens if first_tokens is None else first_tokens
-            rate = (tokens - first_tokens) / max(time.monotonic() - started, 1e-9)
-            ended = batch.status in BatchStatus.FINAL
-            progress.update(
-                task,
-                total=(counts.total or None) if counts else None,
-                completed=progress_position(batch, time.time()),
-                finished=f"{done}/{counts.total if counts else '?'}",
-                detail=f"{batch.status} · {tokens:,} out tok · {rate:,.0f} tok/s",
-                eta=None if ended else (batch.model_extra or {}).get("estimated_completion_at"),
-            )
-            if ended:
-                return _billed(client, batch, poll)
-            if warn is not None and time.monotonic() >= next_health:
-                next_health = time.monotonic() + HEALTH_EVERY_SECONDS
-                answer = health(client)
-                batch_model = getattr(batch, "model", None) or model
-                for kind, message in liveness_warnings(answer or {}, batch_model).items():
-                    if kind not in warned:
-                        warned.add(kind)
-                        warn(message)
-            time.sleep(poll)
-
-
-def _billed(client: OpenAI, batch: Batch, poll: float, tries: int = 10) -> Batch:
-    """The ended batch once its bill is written (Offpeak bills right after the final status
-    commits), so the summary shows the price billed rather than the estimate; gives up after
-    ``tries`` polls (another server, or billing left to the sweep)."""
-    extra = batch.model_extra or {}
-    for _ in range(tries):
-        if "billed_at" not in extra or extra["billed_at"] is not None:
-            break
-        time.sleep(min(poll, 0.5))
-        batch = client.batches.retrieve(batch.id)
-        extra = batch.model_extra or {}
-    return batch
-
-
 def print_summary(batch: Batch, console: Console) -> None:
     table = Table(title=f"batch {batch.id}", show_header=False)
     counts, usage = batch.request_counts, batch.usage
@@ -226,14 +111,14 @@ def print_summary(batch: Batch, console: Console) -> None:
         ("endpoint", batch.endpoint),
         (
             "requests",
-            f"{counts.total} total, {counts.completed} completed, {counts.failed} failed"
+            f"{counts.total:,} total, {counts.completed:,} completed, {counts.failed:,} failed"
             if counts
             else "-",
         ),
         (
             "tokens",
-            f"{usage.input_tokens} in ({usage.input_tokens_details.cached_tokens} cached), "
-            f"{usage.output_tokens} out"
+            f"{usage.input_tokens:,} in ({usage.input_tokens_details.cached_tokens:,} cached), "
+            f"{usage.output_tokens:,} out"
             if usage
             else "-",
         ),
@@ -252,10 +137,18 @@ def print_summary(batch: Batch, console: Console) -> None:
             )
         )
     for error in (batch.errors.data if batch.errors and batch.errors.data else [])[:10]:
-        rows.append(("error", f"line {error.line}: {error.code}: {error.message}"))
+        rows.append(("error", describe_error(error.line, error.code, error.message)))
     for key, value in rows:
         table.add_row(key, str(value) if value is not None else "-")
     console.print(table)
+
+
+def describe_error(line: int | None, code: str | None, message: str | None) -> str:
+    """One of a batch's ``errors.data`` for a person: the message first, its line when it has
+    one, the code last (``The input file holds no request lines. (empty_file)``)."""
+    where = f"line {line:,}: " if line is not None else ""
+    said = message or code or "error"
+    return f"{where}{said}" + (f" ({code})" if code and message else "")
 
 
 def _money_rows(batch: Batch) -> list[tuple[str, Any]]:
@@ -286,6 +179,34 @@ def usage(
     report = client.get("/usage", cast_to=object, options={"params": params})
     assert isinstance(report, dict)
     return report
+
+
+def limits(client: OpenAI) -> dict[str, Any]:
+    """``GET /v1/limits``: the tenant's quotas and rate limit beside its use of them."""
+    report = client.get("/limits", cast_to=object)
+    assert isinstance(report, dict)
+    return report
+
+
+def print_limits(report: dict[str, Any], console: Console) -> None:
+    """The tenant's limits as a table: used of limit (``none``: no limit), one row each and
+    one per model holding enqueued tokens."""
+    table = Table(title="limits", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1))
+    table.add_column("", no_wrap=True)
+    table.add_column("used", justify="right", no_wrap=True)
+    table.add_column("limit", justify="right", no_wrap=True)
+
+    def shown(limit: int | None) -> str:
+        return "none" if limit is None else f"{limit:,}"
+
+    tokens = report["enqueued_tokens"]
+    for model, held in sorted(tokens["by_model"].items()) or [("(any model)", 0)]:
+        table.add_row(f"enqueued tokens, {model}", f"{held:,}", shown(tokens["limit_per_model"]))
+    for name, label in (("batches_in_progress", "batches in progress"),
+                        ("stored_bytes", "stored file bytes")):  # fmt: skip
+        table.add_row(label, f"{report[name]['used']:,}", shown(report[name]["limit"]))
+    table.add_row("requests per minute, per key", "", shown(report["requests_per_minute"]["limit"]))
+    console.print(table)
 
 
 def format_count(n: int) -> str:
@@ -385,7 +306,7 @@ def print_batches(batches: list[Batch], console: Console) -> None:
     table.add_column("price", justify="right", no_wrap=True)
     for batch in batches:
         counts = batch.request_counts
-        lines = f"{counts.completed + counts.failed}/{counts.total}" if counts else "-"
+        lines = f"{counts.completed + counts.failed:,}/{counts.total:,}" if counts else "-"
         price = format_usd((batch.model_extra or {}).get("price"))
         model = getattr(batch, "model", None) or "-"
         table.add_row(batch.id, batch.status, model, lines, price)

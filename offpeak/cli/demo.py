@@ -14,6 +14,7 @@ import base64
 import socket
 import time
 from collections import defaultdict
+from importlib import resources
 from pathlib import Path
 
 import orjson
@@ -27,7 +28,9 @@ from offpeak.cli.supervisor import OffpeakUp
 from offpeak.settings import get_settings
 from offpeak.statuses import BatchStatus
 
-QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.jsonl"
+#: Package data (``examples/quickstart.jsonl`` in a checkout links to it), so the demo finds it
+#: wherever the package is installed (a wheel, the Docker image).
+QUICKSTART = Path(str(resources.files("offpeak") / "examples" / "quickstart.jsonl"))
 #: The documented local key of demo mode (tenant ``local``); never set it on a shared server.
 DEMO_KEY = "sk-offpeak-local-demo"
 OUTPUT = Path("offpeak-demo-output.jsonl")

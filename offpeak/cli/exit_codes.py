@@ -28,6 +28,8 @@ BATCH_CANCELLED = 5
 NOTHING_TO_DO = 6
 #: The API cannot be reached (connection refused, DNS, timeout).
 UNREACHABLE = 7
+#: Ctrl-C while watching a batch (128 + SIGINT, as a shell reports it); the batch runs on.
+INTERRUPTED = 130
 
 #: Exit code of a batch that ended with this status.
 FOR_STATUS: dict[str, int] = {

@@ -221,6 +221,20 @@ def up_children(
     return children
 
 
+def host_engines(engines: int, models: str | None) -> dict[str, str]:
+    """The environment telling ``offpeak up``'s engine workers how many vllm engines this host
+    will run (``OFFPEAK_HOST_ENGINES``: ``engines`` workers × their in-process vllm models), so
+    the first to start leaves CPUs for the others; nothing when the operator set it."""
+    if "OFFPEAK_HOST_ENGINES" in os.environ:
+        return {}
+    from offpeak.settings import get_settings
+
+    settings = get_settings()
+    names = [m.strip() for m in models.split(",")] if models else list(settings.models)
+    local = [m for m in names if m in settings.models and settings.models[m].engine == "vllm"]
+    return {"OFFPEAK_HOST_ENGINES": str(engines * len(local))}
+
+
 # -- handles for tests, benchmarks and the demo ---------------------------------------------
 
 
@@ -349,8 +363,12 @@ class ServiceProcesses:
         for role in self.roles:
             self.start_worker(role)
 
-    def start_worker(self, role: str, name: str | None = None) -> None:
-        self._spawn(name or role, ["worker", "--role", role])
+    def start_worker(self, role: str, name: str | None = None, models: str | None = None) -> None:
+        """Start ``offpeak worker --role ROLE`` as process ``name``, serving ``models``
+        (comma-separated) or every served model."""
+        self._spawn(
+            name or role, ["worker", "--role", role, *(["--models", models] if models else [])]
+        )
 
     @property
     def base_url(self) -> str:

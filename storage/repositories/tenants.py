@@ -41,11 +41,30 @@ def tenant_for_key_hash(db: Executor, key_hash: str) -> Tenant | None:
     """The tenant owning an unrevoked key with this SHA-256 hex digest: a transient ``Tenant``
     (in no session) built from its columns, so a status poll's connection can look it up."""
     row = db.execute(
-        select(Tenant.id, Tenant.name, Tenant.created_at)
+        select(Tenant.id, Tenant.name, Tenant.created_at, Tenant.requests_per_minute)
         .join(ApiKey, ApiKey.tenant_id == Tenant.id)
         .where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None))
     ).first()
-    return None if row is None else Tenant(id=row.id, name=row.name, created_at=row.created_at)
+    if row is None:
+        return None
+    return Tenant(
+        id=row.id,
+        name=row.name,
+        created_at=row.created_at,
+        requests_per_minute=row.requests_per_minute,
+    )
+
+
+def all_tenants(session: Session) -> list[Tenant]:
+    """Every tenant, by name."""
+    return list(session.scalars(select(Tenant).order_by(Tenant.name)))
+
+
+def find(session: Session, name_or_id: str) -> Tenant | None:
+    """The tenant named ``name_or_id``, or whose id it is."""
+    return session.scalar(
+        select(Tenant).where((Tenant.name == name_or_id) | (Tenant.id == name_or_id))
+    )
 
 
 def keys(session: Session, tenant_name: str | None) -> list[tuple[ApiKey, str]]:

@@ -1,6 +1,8 @@
 """Worker registrations: which models each worker serves, its role and its last heartbeat.
 
-A worker registers once it is ready (an engine worker: its engines are loaded), then marks itself
+An engine worker announces itself while it loads its engines (``announce_loading``: readers give
+it a grace period instead of an alarm). A worker registers once it is ready (an engine worker: its
+engines are loaded), then marks itself
 alive every few seconds (``heartbeat``); a clean stop ``retire``s it. A killed worker simply stops
 beating: readers decide "alive" from the heartbeat's age, never from ``ready`` alone.
 """
@@ -38,6 +40,28 @@ def register(
     session.flush()
 
 
+def announce_loading(
+    session: Session, worker_id: str, hostname: str, models: list[str], at: float
+) -> None:
+    """Record an engine worker that has started loading its engines at ``at`` (unix seconds):
+    not ready, ``started_at`` and ``heartbeat_at`` both ``at`` (``is_loading``). ``register``
+    then makes it ready, keeping ``started_at``."""
+    record = session.get(WorkerRecord, worker_id)
+    if record is None:
+        record = WorkerRecord(id=worker_id, hostname=hostname)
+        session.add(record)
+    record.models, record.role, record.ready = list(models), "engine", False
+    record.started_at = record.heartbeat_at = at
+    session.flush()
+
+
+def is_loading(record: WorkerRecord) -> bool:
+    """Whether ``record`` is an engine worker still loading its engines: announced, never ready.
+    A worker that was ready has a heartbeat later than its start (``register`` refreshes it), so
+    a retired one never reads as loading."""
+    return not record.ready and record.heartbeat_at == record.started_at
+
+
 def heartbeat(session: Session, worker_id: str, at: float) -> bool:
     """Mark a ready worker alive at ``at`` (unix seconds). False when no ready record has that
     id (never registered, retired, or pruned): the caller should register again."""
@@ -51,11 +75,12 @@ def heartbeat(session: Session, worker_id: str, at: float) -> bool:
 
 
 def retire(session: Session, worker_id: str) -> None:
-    """Mark a worker stopped (a clean shutdown): it no longer counts as alive, at once."""
+    """Mark a worker stopped (a clean shutdown): it no longer counts as alive, at once. Its
+    last heartbeat becomes the goodbye's time (so it never reads as ``is_loading``)."""
     session.execute(
         update(WorkerRecord)
         .where(WorkerRecord.id == worker_id)
-        .values(ready=False)
+        .values(ready=False, heartbeat_at=time.time())
         .execution_options(synchronize_session=False)
     )
 

@@ -1,15 +1,14 @@
-"""Engine workers' lifecycle on the real SmolLM2: a worker stops cleanly on SIGTERM, at once on
-a second signal, and no child (vLLM's engine-core) outlives it, SIGKILL included. The workers
-run one after another on one batch of the module, and a last worker finishes the batch with
-every ``custom_id`` once. (``offpeak up`` and the control worker's beat, on the instant engine:
-``tests/integration/test_lifecycle.py``.)
+"""Engine workers' lifecycle on the real SmolLM2: a worker exits at once on a second signal, and
+no child (vLLM's engine-core) outlives it, SIGKILL included. The workers run one after another
+on one batch of the module, and a last worker finishes the batch with every ``custom_id`` once.
+(A clean stop on SIGTERM, on the default two engines: ``tests/e2e/test_stop.py``; ``offpeak up``
+and the control worker's beat, on the instant engine: ``tests/integration/test_lifecycle.py``.)
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -24,9 +23,9 @@ from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import Settings
 from storage.db import session_scope
 from storage.models import RequestLine
-from tests.support.batches import check_ran_batch, line_statuses, story_batch, wait_for_end
+from tests.support.batches import check_ran_batch, story_batch, wait_for_end
 from tests.support.database import fresh_database, new_key, settings_from
-from tests.support.processes import tree, wait_gone, wait_until
+from tests.support.processes import running, tree, wait_gone, wait_until
 from tests.support.servers import free_port
 from workers.celery_worker import EXIT_FORCED
 
@@ -34,20 +33,6 @@ pytestmark = pytest.mark.engine
 
 MODEL = "SmolLM2-135M-Instruct"
 
-
-# -- helpers ----------------------------------------------------------------------------------
-
-
-# -- offpeak up ---------------------------------------------------------------------------------
-
-
-# -- the control worker's beat --------------------------------------------------------------
-
-
-# -- children spawned by a worker (vLLM's engine-core) ----------------------------------------
-
-
-# -- engine workers on the real model ----------------------------------------------------------
 
 LEASE_SECONDS = 6
 
@@ -69,7 +54,7 @@ def engine_env(
             "OFFPEAK_QUEUE_PREFIX": f"{run_id}-lifecycle",
             "OFFPEAK_DATA_DIR": str(tmp_path_factory.mktemp("lifecycle-data")),
             "OFFPEAK_LEASE_SECONDS": str(LEASE_SECONDS),
-            # The chat model only (each of the module's five engine workers would otherwise
+            # The chat model only (each of the module's engine workers would otherwise
             # load the embedding model's engine too before taking work), as configured by
             # default but for max_num_seqs: 8 slots, so a worker claims 16 lines (queue depth
             # 2), not the whole batch. The lines held by the SIGKILLed and the forced-out
@@ -100,26 +85,23 @@ def control_stack(
     engine_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServiceProcesses]:
     """The API and a control worker; each test starts its own engine worker."""
-    stack = ServiceProcesses(
-        engine_env, free_port(), tmp_path_factory.mktemp("lifecycle-logs"), roles=("control",)
-    )
-    stack.start()
-    try:
-        stack.wait_http()
+    with running(
+        ServiceProcesses(
+            engine_env, free_port(), tmp_path_factory.mktemp("lifecycle-logs"), roles=("control",)
+        )
+    ) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")
 def long_batch(control_stack: ServiceProcesses, engine_settings: Settings) -> LongBatch:
     """A batch that outlasts the first engine workers' short lives (each is stopped as soon as
-    it holds lines): 120 lines of 8 to 24 tokens. The last worker decodes nearly all of it, a
-    step per token of the longest line, so the replies are kept short."""
+    it holds lines, 16 at a time): 64 lines of 8 to 24 tokens. The last worker decodes most of
+    it, a step per token of the longest line, so the replies are kept short."""
     client = OpenAI(
         base_url=f"{control_stack.base_url}/v1", api_key=new_key(engine_settings), max_retries=2
     )
-    ids = [f"life-{i}" for i in range(120)]
+    ids = [f"life-{i}" for i in range(64)]
     return LongBatch(story_batch(client, MODEL, ids, base_tokens=8), ids, client)
 
 
@@ -144,8 +126,10 @@ def status_of(settings: Settings, ids: set[int]) -> dict[str, int]:
         return {status: n for status, n in rows}
 
 
-def start_engine(stack: ServiceProcesses, name: str) -> subprocess.Popen[bytes]:
-    stack.start_worker("engine", name)
+def start_engine(
+    stack: ServiceProcesses, name: str, models: str | None = None
+) -> subprocess.Popen[bytes]:
+    stack.start_worker("engine", name, models)
     return stack.procs[name]
 
 
@@ -164,37 +148,6 @@ def running_with_lines(
     procs = tree(proc.pid)
     assert len(procs) >= 2, "an engine worker has its engine-core child"
     return procs
-
-
-@pytest.mark.engine
-def test_sigterm_hands_lines_back_and_exits_cleanly(
-    control_stack: ServiceProcesses, engine_settings: Settings, long_batch: LongBatch
-) -> None:
-    batch_id = long_batch.batch_id
-    worker = start_engine(control_stack, "engine-term")
-    # Signalled as soon as it holds lines, not after one of them is written back too: the
-    # first write-back of a chunk can come with its last step, and the whole chunk may finish
-    # between that and the signal, leaving nothing to hand back.
-    procs = running_with_lines(control_stack, "engine-term", engine_settings, batch_id)
-    held = held_by(engine_settings, batch_id, worker.pid)
-
-    worker.send_signal(signal.SIGTERM)  # the worker only, as a supervisor or systemd sends it
-    code = worker.wait(timeout=90)
-    control_stack.procs.pop("engine-term")
-    log = control_stack.tail("engine-term", 80)
-    # 0: it stopped by itself, before its stop timeout (25 s) would have forced exit code 1.
-    assert code == 0, log
-    assert wait_gone(procs) == [], "a child of the worker outlived it"
-    after = status_of(engine_settings, held)
-    assert set(after) <= {"pending", "succeeded"}, after  # handed back or written back
-    # ``held`` is what it held a moment before the signal, and those lines may have finished in
-    # that moment (all of them written back). What it held when the signal came is in its
-    # log; none of its leases outlives it, so no line waits for a lease to run out.
-    handed_back = re.search(r"stopping: (\d+) lines handed back to pending", log)
-    assert handed_back and int(handed_back.group(1)) > 0, log
-    assert held_by(engine_settings, batch_id, worker.pid) == set()
-    status = line_statuses(engine_settings, batch_id)
-    assert status.get("pending", 0) > 0 and status.get("failed", 0) == 0, status
 
 
 @pytest.mark.engine

@@ -13,6 +13,7 @@ from openai import OpenAI
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import DEFAULT_MODEL, Settings
 from tests.support.database import fresh_database, new_key, settings_from
+from tests.support.processes import running
 from tests.support.servers import free_port
 
 
@@ -39,13 +40,10 @@ def instant_stack(
     instant_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServiceProcesses]:
     """API, control worker and engine worker on the instant engine, for the whole session."""
-    stack = ServiceProcesses(instant_env, free_port(), tmp_path_factory.mktemp("instant-logs"))
-    stack.start()
-    try:
-        stack.wait_http()
+    with running(
+        ServiceProcesses(instant_env, free_port(), tmp_path_factory.mktemp("instant-logs"))
+    ) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture()

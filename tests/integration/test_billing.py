@@ -17,6 +17,7 @@ from sqlalchemy import delete, select
 
 from offpeak.billing import TokenWeights
 from offpeak.cli import client as client_tools
+from offpeak.cli import watching
 from offpeak.settings import ModelConfig, ModelPricing, Settings
 from storage.db import session_scope
 from storage.models import EngineChunk, EngineChunkBatch, LedgerEntry
@@ -345,7 +346,7 @@ def test_submit_wait_ends_with_the_bill(
     later = threading.Timer(0.3, billing.bill_batch, args=(settings, batch_id))
     later.start()
     out = io.StringIO()
-    batch = client_tools.wait_with_progress(
+    batch = watching.wait_with_progress(
         tenant.sdk, batch_id, Console(file=out, width=160), poll=0.1
     )
     later.join()

@@ -6,6 +6,7 @@ sets it to ``docs/dashboard.png``, the README's picture, to regenerate it on pur
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -22,6 +23,7 @@ from api.app import create_app
 from offpeak.settings import ModelConfig, ModelPricing, Settings
 from storage.db import session_scope
 from storage.models import LoadSample, SchedulerState
+from tests.support.batches import line, validate
 from tests.support.billing import AcctTenant, end, make, run
 from tests.support.engines import SlowEngine
 from tests.support.servers import free_port
@@ -58,6 +60,12 @@ def settings(settings: Settings) -> Settings:
 @pytest.fixture()
 def server(settings: Settings) -> Iterator[str]:
     """The API on a real port (a browser cannot reach the in-process test client)."""
+    with serving(settings) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serving(settings: Settings) -> Iterator[str]:
     port = free_port()
     config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
     api = uvicorn.Server(config)
@@ -174,3 +182,53 @@ def test_dashboard_shows_progress_in_chromium(
         browser.close()
     assert errors == [], f"console errors: {errors}"
     assert screenshot.read_bytes().startswith(b"\x89PNG")
+
+
+#: A model name as long as real ones get (a quantized build's file name).
+LONG_MODEL = "SmolLM2-135M-Instruct-Q8_0-long-context"
+
+
+def test_the_batch_table_fits_1280_px_and_a_failed_batch_says_why(settings: Settings) -> None:
+    """In a 1,280 px window every column of the batch table is visible (the ETA was cut off),
+    and a batch that failed validation shows its model and the reason, line number included."""
+    if not Path(CHROMIUM).exists() or shutil.which("chromium") is None:
+        message = "Debian's chromium is not installed (apt-get install chromium)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    from playwright.sync_api import sync_playwright
+
+    models = {**settings.models, LONG_MODEL: ModelConfig(engine="instant")}
+    settings = settings.model_copy(update={"models": models})
+    tenant = AcctTenant(settings)
+    running = make(settings, tenant, 3, LONG_MODEL)
+    broken = line("ok", model=LONG_MODEL) + b"\n{not json\n"
+    failed, _ = validate(settings, broken, tenant_name=tenant.name)
+    assert failed.status == "failed"
+
+    errors: list[str] = []
+    with sync_playwright() as playwright, serving(settings) as server:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(f"{server}/dashboard#key={tenant.key}&hours=0.02")
+        page.locator(f'tr[data-batch="{running}"]').wait_for(timeout=15_000)
+        overflow = page.evaluate(
+            "() => ({page: document.documentElement.scrollWidth,"
+            " table: document.getElementById('batches').getBoundingClientRect().right,"
+            " eta: [...document.querySelectorAll('#batches th')].pop()"
+            ".getBoundingClientRect().right,"
+            " window: window.innerWidth})"
+        )
+        assert overflow["page"] <= overflow["window"], overflow
+        assert overflow["table"] <= overflow["window"] and overflow["eta"] <= overflow["window"]
+
+        row = page.locator(f'tr[data-batch="{failed.id}"]')
+        assert row.locator("td").nth(1).get_attribute("title") == LONG_MODEL
+        reason = page.locator(f'tr[data-reason-for="{failed.id}"]')
+        text = reason.inner_text()
+        assert "line 2" in text and "invalid_json" in text, text
+        assert reason.is_visible()
+        browser.close()
+    assert errors == [], f"console errors: {errors}"

@@ -142,6 +142,49 @@ def test_retired_worker_is_gone_at_once(client: TestClient, db_url: str) -> None
     assert by_model(health)[MODEL]["seconds_without_engine_worker"] is not None
 
 
+def announce_loading(url: str, worker_id: str, models: list[str], seconds_ago: float) -> None:
+    with session_scope(url) as session:
+        at = time.time() - seconds_ago
+        workers_repo.announce_loading(session, worker_id, "liveness-host", models, at)
+
+
+def test_a_worker_loading_its_engine_is_no_alarm_within_the_grace(
+    client: TestClient, db_url: str, lv_settings: Settings
+) -> None:
+    """At a start the previous run's worker is 90 minutes silent while the new one loads its
+    engine: no "for 1 h 30 min" alarm, the model lists the loading worker instead."""
+    register(db_url, "engine-previous-run", [MODEL])
+    last_heard(db_url, "engine-previous-run", 90 * 60)
+    register(db_url, "control-now", [], role="control")
+    announce_loading(db_url, "engine-loading", [MODEL], 30)
+    key = new_key(lv_settings)
+    health = client.get("/healthz").json()
+    row = by_model(health)[MODEL]
+    assert row["loading_engine_workers"] == ["engine-loading"]
+    assert row["engine_workers"] == [] and row["message"] is None
+    assert not any(MODEL in p and "1 h 30 min" in p for p in health["problems"])
+    answer = client.get("/v1/dashboard", headers={"Authorization": f"Bearer {key}"}).json()
+    assert [a for a in answer["alerts"] if a.get("model") == MODEL] == []
+
+    register(db_url, "engine-loading", [MODEL])  # loaded: ready, and alive
+    row = by_model(client.get("/healthz").json())[MODEL]
+    assert row["engine_workers"] == ["engine-loading"] and row["loading_engine_workers"] == []
+
+
+def test_a_load_past_the_grace_is_reported_from_its_start(
+    client: TestClient, db_url: str, lv_settings: Settings
+) -> None:
+    register(db_url, "engine-previous-run", [MODEL])
+    last_heard(db_url, "engine-previous-run", 90 * 60)
+    announce_loading(db_url, "engine-stuck", [MODEL], lv_settings.engine_load_grace_seconds + 60)
+    row = by_model(client.get("/healthz").json())[MODEL]
+    assert row["loading_engine_workers"] == []
+    assert (
+        row["message"]
+        == f"no engine worker serving {MODEL}: one has been loading for 16 min (see its log)"
+    )
+
+
 def test_readyz_is_ready_without_engine_workers(client: TestClient) -> None:
     """No engine worker keeps the API ready (batches wait for one); it is reported."""
     response = client.get("/readyz")

@@ -239,10 +239,10 @@ def test_claims_top_up_while_decoding_and_sizing_follows_the_requests(
         held_at_claim: list[int] = []
         limits: list[int] = []
 
-        def claim(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        def claim_shared(self, *args, **kwargs):  # type: ignore[no-untyped-def]
             self.held_at_claim.append(engine.num_unfinished())
             self.limits.append(args[1])
-            return super().claim(*args, **kwargs)
+            return super().claim_shared(*args, **kwargs)
 
     # A KV cache of 4,096 tokens: short requests fit 16 at once (the engine's max_num_seqs),
     # requests of ~500 tokens only 7.
@@ -291,11 +291,11 @@ def test_claims_overlap_the_steps_of_an_engine_that_empties_every_step(
     class ThreadStore(DbStore):
         claims: list[tuple[str, int, int]] = []
 
-        def claim(self, model, limit, *args, **kwargs):  # type: ignore[no-untyped-def]
-            rows = super().claim(model, limit, *args, **kwargs)
+        def claim_shared(self, model, limit, *args, **kwargs):  # type: ignore[no-untyped-def]
+            claimed = super().claim_shared(model, limit, *args, **kwargs)
             thread = threading.current_thread().name.split("_")[0]
-            self.claims.append((thread, limit, len(rows)))
-            return rows
+            self.claims.append((thread, limit, len(claimed.rows)))
+            return claimed
 
     ids = [f"i{i}" for i in range(300)]
     batch_id = make_batch(settings, name, [chat(model, i, "Hi", 4) for i in ids])

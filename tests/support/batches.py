@@ -21,6 +21,7 @@ from api.services import batches as batches_service
 from api.services import files as files_service
 from api.services import keys
 from offpeak.cli.client import read_lines
+from offpeak.cli.demo import QUICKSTART as QUICKSTART  # the README's example batch
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import Settings
 from storage.blobs import get_blob_store
@@ -32,8 +33,6 @@ from workers.validation import run_validation
 #: Input cases from users' bug reports, copied from the workspace's shared/cases so a clone
 #: carries them; OFFPEAK_CASES_DIR points the tests at another copy.
 CASES = Path(os.environ.get("OFFPEAK_CASES_DIR", Path(__file__).resolve().parents[1] / "cases"))
-#: The README's example batch: chat and completions lines.
-QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.jsonl"
 #: The default model, as the end-to-end tests' lines name it.
 MODEL = "SmolLM2-135M-Instruct"
 ENDED = ("completed", "failed", "expired", "cancelled")

@@ -18,6 +18,7 @@ from openai import OpenAI
 
 from offpeak.settings import Settings
 from tests.support.database import fresh_database, new_key, settings_from
+from tests.support.object_store import own_s3  # noqa: F401 (a fixture)
 from tests.support.servers import own_postgres, own_redis, redis_server  # noqa: F401 (fixtures)
 
 #: A Redis for the run to use instead of a throwaway server of its own (``broker_url``).
@@ -34,6 +35,7 @@ EXTERNAL_FIXTURES = frozenset(
         "sdk",
         "own_postgres",
         "own_redis",
+        "own_s3",
     }
 )
 

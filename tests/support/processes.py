@@ -1,14 +1,19 @@
-"""Waiting on processes: a process tree as it is now, those of it still running, and the
-processes of a session (each service process leads one, and its children stay in it)."""
+"""Waiting on processes: a process tree as it is now, those of it still running, the processes
+of a session (each service process leads one, and its children stay in it), and a stack of
+service processes running for a block."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import psutil
+
+if TYPE_CHECKING:
+    from offpeak.cli.supervisor import ServiceProcesses
 
 
 def wait_until(check: Callable[[], object], timeout: float, what: str, logs: str = "") -> None:
@@ -67,3 +72,15 @@ def in_sessions(sids: set[int]) -> list[psutil.Process]:
         except (ProcessLookupError, psutil.NoSuchProcess):
             continue
     return alive(found)
+
+
+@contextlib.contextmanager
+def running(stack: ServiceProcesses) -> Iterator[ServiceProcesses]:
+    """``stack`` started and its API answering for the block, stopped after it (its processes'
+    trees included), whatever the block raised."""
+    stack.start()
+    try:
+        stack.wait_http()
+        yield stack
+    finally:
+        stack.stop()

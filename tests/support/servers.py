@@ -66,16 +66,19 @@ def postgres_bin_dir() -> Path | None:
 
 class PostgresServer:
     """A PostgreSQL cluster of its own in ``root`` (made by ``initdb``), run by ``pg_ctl`` on
-    127.0.0.1:``port``. ``os_user``: the account its programs run as (None: this process's)."""
+    ``host``:``port``. ``os_user``: the account its programs run as (None: this process's)."""
 
-    def __init__(self, bin_dir: Path, root: Path, port: int, os_user: str | None) -> None:
+    def __init__(
+        self, bin_dir: Path, root: Path, port: int, os_user: str | None, host: str = "127.0.0.1"
+    ) -> None:
         self.bin_dir, self.root, self.port, self.os_user = bin_dir, root, port, os_user
+        self.host = host
         self.data = root / "data"
         self.log = root / "postgres.log"
 
     def url(self, database: str = "postgres", driver: str = "postgresql+psycopg") -> str:
         """A URL for ``database`` as the superuser (``driver`` ``postgresql`` for psycopg)."""
-        return f"{driver}://postgres@127.0.0.1:{self.port}/{database}"
+        return f"{driver}://postgres@{self.host}:{self.port}/{database}"
 
     def _run(self, *args: str, timeout: float = START_SECONDS) -> None:
         as_user: dict[str, Any] = {}
@@ -103,18 +106,23 @@ class PostgresServer:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def init(self) -> None:
-        """Make the cluster: superuser ``postgres``, trust on local connections only."""
+        """Make the cluster: superuser ``postgres``, trust on local connections (and on
+        ``host``'s /24 when it is not the loopback: a test's own virtual network)."""
         self._run(
             "initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust",
             "-E", "UTF8", "--locale=C", "--no-sync", "--no-instructions",
         )  # fmt: skip
+        if self.host != "127.0.0.1":
+            network = self.host.rsplit(".", 1)[0] + ".0/24"
+            with (self.data / "pg_hba.conf").open("a") as hba:
+                hba.write(f"host all all {network} trust\n")
 
     def start(self) -> None:
         """Start the server and wait until it accepts connections."""
         options = " ".join(
             [
                 f"-p {self.port}",
-                "-c listen_addresses=127.0.0.1",
+                f"-c listen_addresses={self.host}",
                 f"-c unix_socket_directories={self.root}",  # never the shared server's folder
                 "-c max_connections=200",
                 # A throwaway cluster: losing it to a host crash costs nothing.
@@ -179,8 +187,8 @@ def _postgres_os_user() -> str | None:
 
 
 @contextlib.contextmanager
-def postgres_server() -> Iterator[PostgresServer]:
-    """A started throwaway PostgreSQL server; stopped and deleted afterwards.
+def postgres_server(host: str = "127.0.0.1") -> Iterator[PostgresServer]:
+    """A started throwaway PostgreSQL server on ``host``; stopped and deleted afterwards.
 
     Skips (fails in CI) when the binaries or, under root, the ``postgres`` OS user are missing;
     raises ``RuntimeError`` with the server's log when it does not start.
@@ -194,7 +202,7 @@ def postgres_server() -> Iterator[PostgresServer]:
     if os_user:
         entry = pwd.getpwnam(os_user)
         os.chown(root, entry.pw_uid, entry.pw_gid)
-    server = PostgresServer(bin_dir, root, free_port(), os_user)
+    server = PostgresServer(bin_dir, root, free_port(), os_user, host)
     try:
         server.init()
         server.start()
@@ -216,13 +224,13 @@ class RedisServer:
     """``redis-server`` on 127.0.0.1:``port`` as a child process, keeping nothing on disk (no
     RDB snapshots, no AOF), as the shared server runs."""
 
-    def __init__(self, root: Path, port: int) -> None:
-        self.root, self.port = root, port
+    def __init__(self, root: Path, port: int, host: str = "127.0.0.1") -> None:
+        self.root, self.port, self.host = root, port, host
         self.log = root / "redis.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
+        return f"redis://{self.host}:{self.port}/{db}"
 
     def start(self) -> None:
         """Start the server and wait until it answers PING with its own process id (another
@@ -233,7 +241,8 @@ class RedisServer:
             [
                 "redis-server",
                 "--port", str(self.port),
-                "--bind", "127.0.0.1",
+                "--bind", self.host,
+                "--protected-mode", "no",  # no password: reachable only on the test's network
                 "--save", "",
                 "--appendonly", "no",
                 "--dir", str(self.root),
@@ -292,13 +301,13 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def redis_server() -> Iterator[RedisServer]:
-    """A started throwaway Redis server; stopped and its folder deleted afterwards. Skips
-    (fails in CI) when ``redis-server`` is missing."""
+def redis_server(host: str = "127.0.0.1") -> Iterator[RedisServer]:
+    """A started throwaway Redis server on ``host``; stopped and its folder deleted afterwards.
+    Skips (fails in CI) when ``redis-server`` is missing."""
     if shutil.which("redis-server") is None:
         missing("redis-server")
     root = Path(tempfile.mkdtemp(prefix="offpeak-redis-"))
-    server = RedisServer(root, free_port())
+    server = RedisServer(root, free_port(), host)
     try:
         for attempt in range(3):  # another process took the free port first: take another
             try:
@@ -308,7 +317,7 @@ def redis_server() -> Iterator[RedisServer]:
                 if attempt == 2:
                     raise
                 server.log.unlink()  # the next server's log starts empty
-                server = RedisServer(root, free_port())
+                server = RedisServer(root, free_port(), host)
         yield server
     finally:
         try:

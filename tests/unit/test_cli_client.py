@@ -7,6 +7,7 @@ import time
 
 from offpeak.billing import MONEY_DIGITS, cost_per_million_tokens, format_usd
 from offpeak.cli import client as client_tools
+from offpeak.cli import watching
 
 
 def test_money_is_printed_in_fixed_point() -> None:
@@ -58,15 +59,15 @@ def test_the_progress_bar_moves_with_the_eta_while_lines_run() -> None:
             }
         )
 
-    halfway = client_tools.progress_position(batch("in_progress", 0, now + 10), now)
+    halfway = watching.progress_position(batch("in_progress", 0, now + 10), now)
     assert 45 <= halfway <= 55
-    later = client_tools.progress_position(batch("in_progress", 0, now + 10), now + 5)
+    later = watching.progress_position(batch("in_progress", 0, now + 10), now + 5)
     assert later > halfway
-    assert client_tools.progress_position(batch("in_progress", 80, now + 10), now) == 80
-    late = client_tools.progress_position(batch("in_progress", 10, now - 5), now)
+    assert watching.progress_position(batch("in_progress", 80, now + 10), now) == 80
+    late = watching.progress_position(batch("in_progress", 10, now - 5), now)
     assert 99 <= late < 100  # past the ETA, still not done
-    assert client_tools.progress_position(batch("in_progress", 30, None), now) == 30
-    assert client_tools.progress_position(batch("completed", 100, None), now) == 100
+    assert watching.progress_position(batch("in_progress", 30, None), now) == 30
+    assert watching.progress_position(batch("completed", 100, None), now) == 100
 
 
 def test_retryable_lines_are_the_servers_failures_only() -> None:

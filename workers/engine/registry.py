@@ -47,7 +47,8 @@ def load(settings: Settings, name: str) -> Engine:
 
         # An embedding model: small and quick to load, never released.
         path = ensure_model(name, config, settings.model_cache_dir)
-        engine = VllmPoolingEngine.load(name, config, path)
+        with _cpus(settings, name):
+            engine = VllmPoolingEngine.load(name, config, path)
     else:
         from workers.engine.vllm_engine import VllmEngine
         from workers.model_store import ensure_model
@@ -55,11 +56,25 @@ def load(settings: Settings, name: str) -> Engine:
         path = ensure_model(name, config, settings.model_cache_dir)
         # Sleep mode only where the engine may be released (it changes vLLM's allocator).
         release = bool(settings.scheduler.release_after_seconds)
-        engine = VllmEngine.load(name, config, path, sleep_mode=release)
+        with _cpus(settings, name):
+            engine = VllmEngine.load(name, config, path, sleep_mode=release)
     _load_seconds[name] = time.perf_counter() - started
     log.info("engine for %s ready in %.1f s", name, _load_seconds[name])
     _engines[name] = engine
     return engine
+
+
+def _cpus(settings: Settings, name: str):  # type: ignore[no-untyped-def]
+    """``cpu_binding.bound`` for ``name``'s engine, shared with this worker's in-process vLLM
+    engines not loaded yet."""
+    from workers.engine import cpu_binding
+
+    left = [
+        m
+        for m in settings.served_models
+        if m in settings.models and settings.models[m].engine == "vllm" and m not in _engines
+    ]
+    return cpu_binding.bound(name, max(len(left), 1), settings.host_engines)
 
 
 def load_seconds(name: str) -> float:

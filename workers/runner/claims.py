@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from offpeak.settings import Settings
 from storage.errors import TRANSIENT_DB_ERRORS
 from storage.repositories.requests import ClaimedRequest
+from storage.repositories.shared_claims import SharedClaim
 from workers import worker_metrics
 from workers.engine.base import Engine, EngineFault
 from workers.runner.admission import PreparedChunk, prepare_chunk
@@ -20,6 +21,7 @@ from workers.runner.held import HeldLines
 from workers.runner.write_back import ResultWriter
 from workers.scheduler.chunking import EngineRoom, Sizing, claim_size, size_for
 from workers.scheduler.clock import Clock
+from workers.scheduler.fair_share import FairShare
 from workers.scheduler.store import WorkStore
 
 log = logging.getLogger(__name__)
@@ -38,10 +40,12 @@ class Claimed:
 class ClaimPipeline:
     """Claims one model's lines for a runner and queues them, prepared, in its ``held`` lines.
 
-    ``scope()`` names the batches a claim may take when it is made: ``None`` for any, else only
-    those (the urgent ones while the gate is closed). With ``ahead``, claims made while lines
-    are held run on the claim thread; the runner settles them (``settle``) before it yields,
-    stops or hands lines back, so their lines go back with the rest.
+    ``scope()`` names the batches a claim may take when it is made: ``None`` for any, shared
+    fairly between tenants after the urgent batches (``workers.scheduler.fair_share``), else
+    only those (the urgent ones while the gate is closed), earliest deadline first. With
+    ``ahead``, claims made while lines are held run on the claim thread; the runner settles them
+    (``settle``) before it yields, stops or hands lines back, so their lines go back with the
+    rest.
     """
 
     def __init__(
@@ -65,6 +69,7 @@ class ClaimPipeline:
         self.scope = scope
         self.export_metrics = export_metrics
         self.ahead: ClaimAhead[Claimed] | None = ClaimAhead() if ahead else None
+        self.fair = FairShare()
         #: Clock time before which no claim is made (the model had no more runnable lines, or
         #: the database was away).
         self.next_at = -math.inf
@@ -167,7 +172,7 @@ class ClaimPipeline:
         """Claim up to ``limit`` lines and prepare them (on the claim thread when it claims).
         Lines already held are left out (``prepare_chunk``): chunks are queued one at a time on
         the loop thread, so by then lines can only have left the held set."""
-        rows = self._claim(at, limit)
+        rows = self._claim(at, limit, urgent)
         if not rows:
             return Claimed(rows)
         try:
@@ -183,11 +188,21 @@ class ClaimPipeline:
             return Claimed(rows, fault=exc)
         return Claimed(rows, chunk)
 
-    def _claim(self, at: float, limit: int) -> list[ClaimedRequest]:
+    def _claim(self, at: float, limit: int, urgent: Collection[str]) -> list[ClaimedRequest]:
+        lease_until = at + self.settings.lease_seconds
         try:
-            return self.store.claim(
-                self.model, limit, self.owner, at, at + self.settings.lease_seconds, self.scope()
+            scope = self.scope()
+            if scope is not None:
+                return self.store.claim(self.model, limit, self.owner, at, lease_until, scope)
+            if not self.fair.seen:
+                # The first claim knows no batch yet: one look, so it is shared already.
+                self.fair.settle(SharedClaim([], self.store.waiting(self.model)))
+            shares = self.fair.shares(limit, urgent)
+            claimed = self.store.claim_shared(
+                self.model, limit, self.owner, at, lease_until, shares
             )
+            self.fair.settle(claimed)
+            return claimed.rows
         except TRANSIENT_DB_ERRORS as exc:
             log.warning("claim failed, retrying: %s", exc)
             self.next_at = at + self.settings.flush_seconds

@@ -72,7 +72,26 @@ class HeldLines:
         self._batch_ids -= set(batch_ids)
 
     def queue(self, lines: Iterable[HeldLine]) -> None:
-        self.queued.extend(lines)
+        """Queue ``lines`` (a claimed chunk, in its order) behind the queued lines; those of a
+        batch with no line held go ahead of the queued lines of other batches (behind urgent
+        ones, whose priority is below the default 0): a batch that just started waits for the
+        engine's room, not for what other batches have queued."""
+        if not self.queued:
+            self.queued.extend(lines)
+            return
+        lines = list(lines)
+        held = {h.row.batch_id for h in (*self.queued, *self.running.values())}
+        starting = [h for h in lines if h.row.batch_id not in held]
+        if not starting:
+            self.queued.extend(lines)
+            return
+        urgent = 0
+        while urgent < len(self.queued) and self.queued[urgent].prepared.request.priority < 0:
+            urgent += 1
+        self.queued.rotate(-urgent)
+        self.queued.extendleft(reversed(starting))
+        self.queued.rotate(urgent)
+        self.queued.extend(h for h in lines if h.row.batch_id in held)
 
     def finished(self, request_id: str) -> HeldLine | None:
         """The running line ``request_id``, no longer running; ``None`` if it was aborted."""

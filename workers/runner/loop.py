@@ -7,8 +7,8 @@ Each turn it reads the load into the hysteresis gate (``workers.runner.gating``,
 - **Claims** (``workers.runner.claims``) come in chunks sized from the engine's room: the
   runner holds ``slots × queue_depth`` lines, ``slots`` of them running and the rest queued here
   (``workers.runner.held``), and claims the difference while the engine decodes, across all
-  batches of the model, earliest deadline first, with a lease. The sizing decision is logged
-  before a chunk runs.
+  batches of the model, with a lease: urgent batches first, then shared fairly between tenants
+  (``workers.scheduler.fair_share``). The sizing decision is logged before a chunk runs.
 - **Yield**: while the gate is closed (load above high-water until it falls to low-water, an
   admin pause, an unreadable signal) nothing new starts; when it closes mid-chunk, queued lines
   go back to pending and, with ``abort_on_yield``, so do running sequences. Urgent batches

@@ -17,10 +17,12 @@ from storage.db import session_scope
 from storage.repositories import batches as batches_repo
 from storage.repositories import requests as requests_repo
 from storage.repositories import scheduler as scheduler_repo
+from storage.repositories import shared_claims as shared_claims_repo
 from storage.repositories import write_back as write_back_repo
 from storage.repositories.engine_chunks import BatchTokens, EnginePeriod
 from storage.repositories.requests import ClaimedRequest, FinishedLine
 from storage.repositories.scheduler import BatchBacklog, EngineHistory
+from storage.repositories.shared_claims import SharedClaim, Shares, WaitingBatch
 
 
 @dataclass
@@ -70,6 +72,17 @@ class WorkStore(Protocol):
     ) -> list[ClaimedRequest]:
         """Up to ``limit`` runnable lines of ``model``, earliest deadline first, leased to
         ``owner`` until ``lease_until``; only of ``batch_ids`` when given."""
+        ...
+
+    def claim_shared(
+        self, model: str, limit: int, owner: str, at: float, lease_until: float, shares: Shares
+    ) -> SharedClaim:
+        """Up to ``limit`` runnable lines of ``model`` as ``shares`` divides them between
+        batches (``shared_claims_repo.claim_shared``), and the waiting batches it saw."""
+        ...
+
+    def waiting(self, model: str) -> list[WaitingBatch]:
+        """``model``'s running batches with their tenants (``shared_claims_repo``)."""
         ...
 
     def write_back(self, write: WriteBack) -> WriteBackReport:
@@ -130,6 +143,24 @@ class DbStore:
                 at=at,
                 batch_ids=batch_ids,
             )
+
+    def claim_shared(
+        self, model: str, limit: int, owner: str, at: float, lease_until: float, shares: Shares
+    ) -> SharedClaim:
+        with session_scope(self.url) as session:
+            return shared_claims_repo.claim_shared(
+                session,
+                model=model,
+                limit=limit,
+                owner=owner,
+                lease_until=lease_until,
+                at=at,
+                shares=shares,
+            )
+
+    def waiting(self, model: str) -> list[WaitingBatch]:
+        with session_scope(self.url) as session:
+            return shared_claims_repo.waiting_batches(session, model)
 
     def write_back(self, write: WriteBack) -> WriteBackReport:
         # The engine time goes to the lines actually written: a line another worker took over

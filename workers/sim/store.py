@@ -15,6 +15,7 @@ from offpeak.settings import window_seconds
 from offpeak.statuses import BatchStatus, LineStatus
 from storage.repositories.requests import ClaimedRequest
 from storage.repositories.scheduler import BatchBacklog, EngineHistory
+from storage.repositories.shared_claims import SharedClaim, Shares, WaitingBatch
 from workers.scheduler.clock import VirtualClock
 from workers.scheduler.store import WriteBack, WriteBackReport
 from workers.sim.engine import MODEL
@@ -33,6 +34,8 @@ class SimBatch:
     output_tokens: int = 0
     ended_at: float | None = None
     pending: deque[int] = field(default_factory=deque)
+    tenant: str = "sim"
+    weight: float = 1.0
 
 
 @dataclass
@@ -51,6 +54,8 @@ class Arrival:
 
     at: float
     lines: list[tuple[list[int], int]]
+    tenant: str = "sim"
+    weight: float = 1.0
 
 
 class MemoryStore:
@@ -83,6 +88,8 @@ class MemoryStore:
                 expires_at=self.start + arrival.at + window_seconds(self.window),
                 window=self.window,
                 requests=len(arrival.lines),
+                tenant=arrival.tenant,
+                weight=arrival.weight,
             )
             for i, (prompt, reply) in enumerate(arrival.lines):
                 body = {"model": MODEL, "prompt": prompt, "max_tokens": reply}
@@ -123,7 +130,44 @@ class MemoryStore:
         self._ingest(at)
         self.claims += 1
         claimed: list[ClaimedRequest] = []
-        runnable = sorted(
+        for batch in self._runnable(at):
+            if batch_ids is None or batch.id in batch_ids:
+                self._take(batch, limit - len(claimed), claimed)
+            if len(claimed) >= limit:
+                break
+        return claimed
+
+    def claim_shared(
+        self, model: str, limit: int, owner: str, at: float, lease_until: float, shares: Shares
+    ) -> SharedClaim:
+        """As ``shared_claims_repo.claim_shared`` (no lease runs out in the simulation)."""
+        self._ingest(at)
+        self.claims += 1
+        claimed: list[ClaimedRequest] = []
+        runnable = self._runnable(at)
+        by_id = {b.id: b for b in runnable}
+        known = {*shares.known, *shares.urgent}
+        per_batch = [(b, limit) for b in shares.urgent]
+        per_batch += [(b.id, shares.fresh) for b in runnable if b.id not in known]
+        per_batch += list(shares.quotas)
+        for batch_id, quota in per_batch:
+            if (batch := by_id.get(batch_id)) is not None:
+                self._take(batch, min(quota, limit - len(claimed)), claimed)
+        for batch in runnable:
+            self._take(batch, limit - len(claimed), claimed)
+        return SharedClaim(claimed, self.waiting(model))
+
+    def waiting(self, model: str) -> list[WaitingBatch]:
+        return [
+            WaitingBatch(b.id, b.tenant, b.weight, b.requests - b.completed - b.failed,
+                         int(b.expires_at))
+            for b in self.batches.values()
+            if b.status == BatchStatus.IN_PROGRESS
+        ]  # fmt: skip
+
+    def _runnable(self, at: float) -> list[SimBatch]:
+        """Batches whose lines may be claimed at ``at``, earliest deadline first."""
+        return sorted(
             (
                 b
                 for b in self.batches.values()
@@ -131,19 +175,16 @@ class MemoryStore:
             ),
             key=lambda b: (b.expires_at, b.id),
         )
-        for batch in runnable:
-            if batch_ids is not None and batch.id not in batch_ids:
-                continue
-            while batch.pending and len(claimed) < limit:
-                row_id = batch.pending.popleft()
-                row = self.rows[row_id]
-                row.status, row.attempts = LineStatus.RUNNING, row.attempts + 1
-                claimed.append(
-                    ClaimedRequest(row_id, batch.id, row.custom_id, row.line_json, row.attempts)
-                )
-            if len(claimed) >= limit:
-                break
-        return claimed
+
+    def _take(self, batch: SimBatch, limit: int, claimed: list[ClaimedRequest]) -> None:
+        """Move up to ``limit`` of ``batch``'s pending lines to running, onto ``claimed``."""
+        for _ in range(min(limit, len(batch.pending))):
+            row_id = batch.pending.popleft()
+            row = self.rows[row_id]
+            row.status, row.attempts = LineStatus.RUNNING, row.attempts + 1
+            claimed.append(
+                ClaimedRequest(row_id, batch.id, row.custom_id, row.line_json, row.attempts)
+            )
 
     def write_back(self, write: WriteBack) -> WriteBackReport:
         for result in write.results:

@@ -45,6 +45,7 @@ from tests.support.batches import (
 )
 from tests.support.database import fresh_database, new_key, settings_from
 from tests.support.engines import chat, one, request, run
+from tests.support.processes import running
 from workers.engine.remote import RemoteEngine
 from workers.engine.remote_tokenizer import ServerTokenizer, local_tokenizer
 from workers.model_store import ensure_model
@@ -423,13 +424,10 @@ def remote_settings(remote_env: dict[str, str]) -> Settings:
 def stack(
     remote_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServiceProcesses]:
-    stack = ServiceProcesses(remote_env, free_port(), tmp_path_factory.mktemp("remote-logs"))
-    stack.start()
-    try:
-        stack.wait_http()
+    with running(
+        ServiceProcesses(remote_env, free_port(), tmp_path_factory.mktemp("remote-logs"))
+    ) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture()

@@ -12,6 +12,7 @@ from openai import OpenAI
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import Settings
 from tests.support.database import fresh_database, new_key, settings_from
+from tests.support.processes import running
 from tests.support.servers import free_port
 
 #: The live stack's ``scheduler.release_after_seconds``.
@@ -42,13 +43,10 @@ def live(
     live_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServiceProcesses]:
     """API, control worker and engine worker on the real SmolLM2 model, for the whole session."""
-    stack = ServiceProcesses(live_env, free_port(), tmp_path_factory.mktemp("live-logs"))
-    stack.start()
-    try:
-        stack.wait_http()
+    with running(
+        ServiceProcesses(live_env, free_port(), tmp_path_factory.mktemp("live-logs"))
+    ) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,266 @@
+"""Claims shared between tenants: the lines a claim takes from each batch, as the fair share
+(``workers.scheduler.fair_share``) decided, with urgent batches first and the rest of the claim
+filled earliest deadline first, so a claim is never short while lines are runnable.
+
+A claim is one statement on PostgreSQL (``shared_claim_statement``), pipelined with the
+transaction's ``BEGIN``, its planner setting and ``WAITING_BATCHES`` (what the next claim's share
+is computed from): one round trip, as ``requests.claim``. Each batch's lines come from a probe of
+``ix_requests_batch_status`` (batch, status) rather than a walk of the model's claim index, so a
+small batch behind a large one costs what its own lines cost.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+from sqlalchemy import ColumnElement, select, update
+from sqlalchemy.orm import Session
+
+from offpeak.statuses import BatchStatus, LineStatus
+from storage.db import driver_connection, is_postgres
+from storage.models import Batch, RequestLine, Tenant
+from storage.repositories.requests import ClaimedRequest
+
+
+@dataclass(frozen=True)
+class WaitingBatch:
+    """An ``in_progress`` batch of the model: its tenant and weight, lines not finished yet
+    (pending or running) and its deadline (unix seconds)."""
+
+    batch_id: str
+    tenant_id: str
+    weight: float
+    left: int
+    expires_at: int
+
+
+@dataclass(frozen=True)
+class Shares:
+    """What one claim takes, in this order: lines of the ``urgent`` batches (earliest deadline
+    first), up to ``fresh`` lines of each running batch the share has not seen yet (not in
+    ``known``), up to ``quotas[batch_id]`` lines of each batch of ``quotas`` (in their order),
+    then any runnable lines, earliest deadline first, up to the claim's limit."""
+
+    urgent: tuple[str, ...] = ()
+    quotas: tuple[tuple[str, int], ...] = ()
+    known: tuple[str, ...] = ()
+    fresh: int = 0
+
+
+@dataclass
+class SharedClaim:
+    """A claim's rows (in id order) and the model's waiting batches as the claim saw them."""
+
+    rows: list[ClaimedRequest]
+    waiting: list[WaitingBatch] = field(default_factory=list)
+
+
+#: The claim's planner settings, for its transaction only, in one statement: no sort (as
+#: ``requests.NO_SORTS``), and a batch's lines from a plain scan of ``ix_requests_batch_status``
+#: that stops at its quota. With one big batch's statistics the planner took every row for a
+#: match and read the table from its start, past every line claimed before; with several, a
+#: bitmap scan read every pending entry of each batch on every claim.
+PLANNER_SETTINGS = (
+    "SELECT set_config('enable_sort', 'off', true), set_config('enable_seqscan', 'off', true), "
+    "set_config('enable_bitmapscan', 'off', true)"
+)
+
+#: The running batches' ids, once per statement (an InitPlan).
+_RUNNING = "ARRAY(SELECT id FROM batches WHERE status = 'in_progress')"
+
+#: The model's waiting batches with their tenants' weights (``WaitingBatch``'s fields).
+WAITING_BATCHES = (
+    "SELECT b.id, b.tenant_id, t.weight, b.total - b.completed - b.failed, b.expires_at "
+    "FROM batches AS b JOIN tenants AS t ON t.id = b.tenant_id "
+    "WHERE b.status = 'in_progress' AND b.model = %(model)s"
+)
+
+
+def _per_batch(source: str, quota: str) -> str:
+    """Up to ``quota`` pending lines of each batch ``source`` names (its column ``batch_id``),
+    batch after batch: one probe of (batch, status) each."""
+    return (
+        f"SELECT q.id FROM {source} CROSS JOIN LATERAL ("
+        "SELECT id FROM requests WHERE batch_id = s.batch_id AND status = 'pending' "
+        "AND model = %(model)s AND deadline > %(after)s "
+        f"LIMIT {quota} FOR UPDATE SKIP LOCKED) AS q"
+    )
+
+
+@cache
+def shared_claim_statement(urgent: bool, quotas: bool) -> str:
+    """The claim on PostgreSQL, with or without its ``urgent`` and ``quotas`` arms (an empty
+    list would still walk the model's claim index). The arms run in order under one ``LIMIT``,
+    each only when the ones before left room; the last one skips the rows the others took
+    (``FOR UPDATE SKIP LOCKED`` does not skip rows of its own transaction)."""
+    arms = [
+        "SELECT id FROM (SELECT id FROM requests WHERE model = %(model)s AND status = 'running' "
+        f"AND deadline > %(after)s AND batch_id = ANY({_RUNNING}) AND lease_expires_at < %(at)s "
+        "ORDER BY deadline, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED) AS lapsed"
+    ]
+    if urgent:
+        source = (
+            "(SELECT batch_id FROM unnest(%(urgent)s::varchar[]) AS u(batch_id) "
+            f"WHERE batch_id = ANY({_RUNNING})) AS s"
+        )
+        arms.append(_per_batch(source, "%(limit)s"))
+    newcomers = (
+        "(SELECT id AS batch_id FROM batches WHERE status = 'in_progress' AND model = %(model)s "
+        "AND NOT (id = ANY(%(known)s::varchar[])) ORDER BY id LIMIT %(limit)s) AS s"
+    )
+    arms.append(_per_batch(newcomers, "%(fresh)s"))
+    if quotas:
+        source = (
+            "(SELECT batch_id, quota FROM unnest(%(batches)s::varchar[], %(quotas)s::integer[]) "
+            f"AS u(batch_id, quota) WHERE batch_id = ANY({_RUNNING})) AS s"
+        )
+        arms.append(_per_batch(source, "s.quota"))
+    picked = " UNION ALL ".join(arms)
+    rest = (
+        "SELECT id FROM (SELECT id FROM requests WHERE model = %(model)s AND status = 'pending' "
+        f"AND deadline > %(after)s AND batch_id = ANY({_RUNNING}) "
+        "AND NOT (id = ANY(ARRAY(SELECT id FROM picked))) "
+        "ORDER BY deadline, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED) AS rest"
+    )
+    return (
+        f"WITH picked AS ({picked}) "
+        "UPDATE requests SET status = 'running', lease_owner = %(owner)s, "
+        "lease_expires_at = %(lease_until)s, attempts = attempts + 1 "
+        f"WHERE id = ANY(ARRAY(SELECT id FROM picked UNION ALL {rest} LIMIT %(limit)s)) "
+        "RETURNING id, batch_id, custom_id, line_json, attempts"
+    )
+
+
+def claim_shared(
+    session: Session,
+    *,
+    model: str,
+    limit: int,
+    owner: str,
+    lease_until: float,
+    at: float,
+    shares: Shares,
+) -> SharedClaim:
+    """Take up to ``limit`` runnable lines of ``model`` as ``shares`` says, leased to ``owner``
+    until ``lease_until``: first rows whose lease ran out before ``at`` (their worker died),
+    then the arms of ``Shares``. Rows of batches not ``in_progress`` or past their window are
+    left alone, rows another transaction holds are skipped. Returns the rows in id order and
+    the model's waiting batches (``waiting_batches``)."""
+    params: dict[str, Any] = {
+        "model": model,
+        "after": math.floor(at),
+        "at": at,
+        "limit": limit,
+        "owner": owner,
+        "lease_until": lease_until,
+        "urgent": list(shares.urgent),
+        "batches": [batch_id for batch_id, _ in shares.quotas],
+        "quotas": [quota for _, quota in shares.quotas],
+        "known": [*shares.known, *shares.urgent],
+        "fresh": shares.fresh,
+    }
+    if is_postgres(session):
+        raw = driver_connection(session)
+        statement = shared_claim_statement(bool(shares.urgent), bool(shares.quotas))
+        with raw.pipeline(), raw.cursor() as cursor, raw.cursor() as listing:
+            raw.execute(PLANNER_SETTINGS)
+            # A generic plan cannot see the lists or the limit.
+            cursor.execute(statement, params, prepare=False)
+            listing.execute(WAITING_BATCHES, params)
+            rows = [ClaimedRequest(*row) for row in cursor.fetchall()]
+            waiting = [WaitingBatch(*row) for row in listing.fetchall()]
+    else:
+        rows = _claim_elsewhere(session, params)
+        waiting = waiting_batches(session, model)
+    rows.sort(key=lambda r: r.id)
+    return SharedClaim(rows, waiting)
+
+
+def waiting_batches(session: Session, model: str) -> list[WaitingBatch]:
+    """Every ``in_progress`` batch of ``model`` with its tenant's weight (``WaitingBatch``)."""
+    rows = session.execute(
+        select(
+            Batch.id,
+            Batch.tenant_id,
+            Tenant.weight,
+            Batch.total - Batch.completed - Batch.failed,
+            Batch.expires_at,
+        )
+        .join(Tenant, Tenant.id == Batch.tenant_id)
+        .where(Batch.status == BatchStatus.IN_PROGRESS, Batch.model == model)
+    )
+    return [WaitingBatch(*row) for row in rows]
+
+
+def _claim_elsewhere(session: Session, params: dict[str, Any]) -> list[ClaimedRequest]:
+    """``claim_shared`` outside PostgreSQL (one writer at a time): the same arms, one leasing
+    ``UPDATE`` each, so a later arm finds the rows an earlier one took already running."""
+    running = select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS)
+    live = (
+        RequestLine.model == params["model"],
+        RequestLine.deadline > params["after"],
+        RequestLine.batch_id.in_(running),
+    )
+    pending = RequestLine.status == LineStatus.PENDING
+    lapsed = (
+        RequestLine.status == LineStatus.RUNNING,
+        RequestLine.lease_expires_at < params["at"],
+    )
+    limit = params["limit"]
+    rows = _lease(session, params, limit, (*live, *lapsed), edf=True)
+    per_batch = [(batch_id, limit) for batch_id in params["urgent"]]
+    newcomers = session.scalars(
+        running.where(Batch.model == params["model"], Batch.id.not_in(params["known"]))
+        .order_by(Batch.id)
+        .limit(limit)
+    )
+    per_batch += [(batch_id, params["fresh"]) for batch_id in newcomers]
+    per_batch += list(zip(params["batches"], params["quotas"], strict=True))
+    for batch_id, quota in per_batch:
+        if len(rows) >= limit:
+            break
+        take = min(quota, limit - len(rows))
+        rows += _lease(session, params, take, (*live, pending, RequestLine.batch_id == batch_id))
+    if len(rows) < limit:
+        rows += _lease(session, params, limit - len(rows), (*live, pending), edf=True)
+    return rows
+
+
+def _lease(
+    session: Session,
+    params: dict[str, Any],
+    limit: int,
+    where: Sequence[ColumnElement[bool]],
+    *,
+    edf: bool = False,
+) -> list[ClaimedRequest]:
+    """Lease up to ``limit`` rows matching ``where`` (earliest deadline first with ``edf``) in
+    one statement; returns them."""
+    if limit <= 0:
+        return []
+    picked = select(RequestLine.id).where(*where).limit(limit)
+    if edf:
+        picked = picked.order_by(RequestLine.deadline, RequestLine.id)
+    statement = (
+        update(RequestLine)
+        .where(RequestLine.id.in_(picked))
+        .values(
+            status=LineStatus.RUNNING,
+            lease_owner=params["owner"],
+            lease_expires_at=params["lease_until"],
+            attempts=RequestLine.attempts + 1,
+        )
+        .returning(
+            RequestLine.id,
+            RequestLine.batch_id,
+            RequestLine.custom_id,
+            RequestLine.line_json,
+            RequestLine.attempts,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return [ClaimedRequest(*row) for row in session.connection().execute(statement).all()]

@@ -1,0 +1,57 @@
+"""Fair share on the real SmolLM2: one tenant's 5-line batch, submitted while another tenant's
+1,200-line batch runs, finishes before that batch has run 40% of its lines; both answer every
+``custom_id`` once."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from openai import OpenAI
+from sqlalchemy import func, select
+
+from offpeak.cli.supervisor import ServiceProcesses
+from offpeak.settings import Settings
+from storage.db import session_scope
+from storage.models import RequestLine
+from tests.support.batches import chat_line, check_ran_batch, submit, wait_for_end
+from tests.support.database import new_key
+
+pytestmark = pytest.mark.engine
+
+BIG = 1200
+SMALL = 5
+
+
+def test_a_small_batch_finishes_early_behind_a_big_one(
+    live: ServiceProcesses, live_settings: Settings, live_sdk: OpenAI
+) -> None:
+    other = OpenAI(base_url=f"{live.base_url}/v1", api_key=new_key(live_settings), max_retries=2)
+    big_ids = [f"big-{i}" for i in range(BIG)]
+    small_ids = [f"small-{i}" for i in range(SMALL)]
+    big = submit(live_sdk, [chat_line(c, f"Say {i}.", max_tokens=2) for i, c in enumerate(big_ids)])
+    # The big batch runs before the small one is submitted.
+    deadline = time.monotonic() + 300
+    while (live_sdk.batches.retrieve(big.id).request_counts.completed or 0) == 0:
+        assert time.monotonic() < deadline, live.tail("engine")
+        live.check_alive()
+        time.sleep(0.1)
+    small = submit(other, [chat_line(c, "Hi", max_tokens=2) for c in small_ids])
+    small_done = wait_for_end(other, small.id, live)
+    big_done = wait_for_end(live_sdk, big.id, live)
+    assert small_done.status == big_done.status == "completed"
+    check_ran_batch(other, small_done, small_ids)
+    check_ran_batch(live_sdk, big_done, big_ids)
+    url = live_settings.resolved_database_url
+    with session_scope(url) as session:
+        small_end = session.scalar(
+            select(func.max(RequestLine.finished_at)).where(RequestLine.batch_id == small.id)
+        )
+        big_before = session.scalar(
+            select(func.count()).where(
+                RequestLine.batch_id == big.id, RequestLine.finished_at <= small_end
+            )
+        )
+    fraction = big_before / BIG
+    print(f"the big batch had run {fraction:.1%} of its lines when the small one finished")
+    assert fraction < 0.4
