@@ -4,8 +4,8 @@ earliest deadline first's (``requests.claim``, the claim before it), on the same
 batches of 256-byte lines, claimed in chunks of the control-plane benchmark's mean claim (488
 lines) until none is left, each claim its own transaction. The legs alternate (each first in
 every other round), each from the same pending rows after a ``VACUUM ANALYZE``; the median of
-the rounds counts. Between claims (not timed) the claimed lines are marked succeeded and counted on their batch, as the write-back
-does, so the rows running stay few, as in a worker."""
+the rounds counts. Between claims (not timed) the claimed lines are marked succeeded and counted
+on their batch, as the write-back does, so the rows running stay few, as in a worker."""
 
 from __future__ import annotations
 

@@ -57,7 +57,9 @@ def project(
 ) -> dict[str, Any]:
     """The trace (``rate`` requests/s of ``prompt`` + ``reply`` tokens) on one GPU: its load,
     the mean step alone and with the lane at ``tpot_ratio ×`` it, the bound on batch tokens/s
-    (batch lines of ``batch_prompt`` + ``batch_reply`` tokens) and that bound × ``harvest``."""
+    (batch lines of ``batch_prompt`` + ``batch_reply`` tokens) and that bound × ``harvest``, the
+    harvest taken at most 1 (a harvest over the bound is the bound misread in saturated windows,
+    not batch work a GPU would add)."""
     gpu = gpu or Gpu()
     step = gpu_step(gpu, prompt + reply / 2)
     alone = step.mean_step(rate, prompt, reply)
@@ -76,6 +78,6 @@ def project(
         "bound_lines": lines,
         "bound_batch_tokens_per_s": bound,
         "harvest_measured": harvest,
-        "projected_batch_tokens_per_s": None if harvest is None else bound * harvest,
+        "projected_batch_tokens_per_s": None if harvest is None else bound * min(harvest, 1.0),
         "batch_line_tokens": {"prompt": batch_prompt, "reply": batch_reply},
     }
