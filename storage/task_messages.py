@@ -119,8 +119,9 @@ def send_finalizes(settings: Settings, batch_ids: Iterable[str]) -> int:
     return _send_once(settings, FINALIZE_TASK, control_queue(settings), messages)
 
 
-def send_drain(settings: Settings, model: str) -> None:
-    """Queue a drain of ``model`` unless one is already queued.
+def send_drain(settings: Settings, model: str, countdown: float | None = None) -> None:
+    """Queue a drain of ``model``, runnable in ``countdown`` seconds (``None``: now), unless one
+    is already queued that runs no later: new work overtakes a drain that waits.
 
     One queued drain per model is enough: a drain runs until nothing admissible is left, so it
     takes every batch validated before it starts, and it clears the record as it starts, so work
@@ -129,7 +130,8 @@ def send_drain(settings: Settings, model: str) -> None:
     so the idle workers join one after another.
     """
     messages = {drain_key(model): [model]}
-    _send_once(settings, DRAIN_TASK, model_queue(settings, model), messages)
+    queue = model_queue(settings, model)
+    _send_once(settings, DRAIN_TASK, queue, messages, countdown=countdown, sooner=True)
 
 
 def send_deliver_webhooks(settings: Settings) -> None:

@@ -54,6 +54,9 @@ def validate_batch(batch_id: str, mark: str | None = None) -> None:
 #: One runner per served model in this process, kept between drain tasks: the gate's hysteresis,
 #: the urgent set and the engine sizing carry over from one drain to the next.
 _runners: dict[str, Runner] = {}
+#: Drains in a row, per model, in which this process claimed no line: the baton such a drain
+#: passes waits (``baton_delay``), so a closed gate or lines locked elsewhere cannot spin the queue.
+_empty_drains: dict[str, int] = {}
 #: The engine worker's idle-release check (``start_runners``); ``None`` until then.
 _idle: IdleReleaser | None = None
 
@@ -162,6 +165,15 @@ def _exit_broken() -> None:
     os._exit(EXIT_ENGINE_BROKEN)
 
 
+def baton_delay(empty_drains: int, longest: float) -> float | None:
+    """Seconds the baton of a drain waits after ``empty_drains`` drains in a row that claimed
+    nothing: ``None`` (at once) after one that claimed, then 0.25 s doubling up to ``longest``
+    (the sweep's period, which sends a drain anyway)."""
+    if empty_drains <= 0:
+        return None
+    return min(longest, 0.25 * 2 ** min(empty_drains - 1, 16))
+
+
 @app.task(name=celery_app.DRAIN_TASK)
 def drain_model(model: str, mark: str | None = None) -> None:
     """Run ``model``'s batch work under the scheduler until nothing admissible is left: every
@@ -176,11 +188,13 @@ def drain_model(model: str, mark: str | None = None) -> None:
     with session_scope(settings.resolved_database_url) as session:
         waiting = requests_repo.has_pending(session, model)
     if waiting:
-        task_messages.send_drain(settings, model)
+        delay = baton_delay(_empty_drains.get(model, 0), settings.sweep_seconds)
+        task_messages.send_drain(settings, model, countdown=delay)
     try:
         with _idle.busy(model) if _idle is not None else nullcontext():
             runner = runner_for(settings, model)
             stats = runner.drain()
+            _empty_drains[model] = 0 if stats.chunks else _empty_drains.get(model, 0) + 1
             if stats.outcome == "yielded":
                 log.info("%s: batch work held back (%s)", model, runner.gate.reason)
                 # The gate may stay closed for long: free the engine's memory for real-time
