@@ -216,7 +216,7 @@ def print_queue(report: dict[str, Any], console: Console) -> None:
     share = report["share"]
     console.print(
         f"engine share, last {share['window_seconds'] // 60} min: {percent(share['engine_share'])}"
-        f" of engine-seconds ({share['engine_seconds']:.1f} s, {share['lines_finished']:,} lines),"
+        f" ({share['engine_seconds']:.1f} engine-s, {share['lines_finished']:,} lines);"
         f" entitled {percent(share['entitled_share'])} (weight {share['weight']:g})"
     )
 

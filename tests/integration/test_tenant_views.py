@@ -133,7 +133,7 @@ def test_queue_positions_shares_and_what_each_side_sees(
     usage = CliRunner().invoke(cli.app, ["usage"])
     assert usage.exit_code == 0, usage.output
     assert "queue" in usage.output and "(nothing queued)" in usage.output
-    assert "of engine-seconds" in usage.output and "entitled 25%" in usage.output
+    assert "engine-s" in usage.output and "entitled 25%" in usage.output
 
 
 def test_print_queue_lists_each_model() -> None:
@@ -147,4 +147,4 @@ def test_print_queue_lists_each_model() -> None:
     }  # fmt: skip
     client_tools.print_queue(report, Console(file=out, width=100))
     text = out.getvalue()
-    assert "1,200" in text and "50% of engine-seconds" in text and "entitled 67%" in text
+    assert "1,200" in text and "50% (12.5 engine-s, 40 lines)" in text and "entitled 67%" in text
