@@ -146,6 +146,17 @@ async def get_tenant(request: Request, _credentials: BearerDep) -> Tenant:
 CurrentTenant = Annotated[Tenant, Depends(get_tenant)]
 
 
+async def get_tenant_or_operator(request: Request, _credentials: BearerDep) -> Tenant | None:
+    """The calling tenant, or ``None`` for the operator: the admin key, on the paths that take
+    it beside a tenant's (``api.gate.OPERATOR_TOO``)."""
+    if getattr(request.state, "admin", None) is True:
+        return None
+    return _gated_tenant(request)
+
+
+TenantOrOperator = Annotated[Tenant | None, Depends(get_tenant_or_operator)]
+
+
 #: Anthropic's ``x-api-key`` header (the ``anthropic`` SDK sends it), declared as the OpenAPI
 #: security scheme ``XApiKey``; the same keys as ``Authorization: Bearer``.
 x_api_key_scheme = APIKeyHeader(

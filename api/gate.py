@@ -35,6 +35,8 @@ from storage.models import Tenant
 #: page) are public.
 API_PREFIX = "/v1/"
 ADMIN_PREFIX = "/v1/admin/"
+#: Tenant paths that also take the admin key, showing the operator every tenant's figures.
+OPERATOR_TOO = frozenset({"/v1/dashboard"})
 #: Client addresses whose failures are remembered at most (least recently failed go first).
 FAILURE_TABLE_SIZE = 10_000
 
@@ -117,7 +119,7 @@ class KeyGateMiddleware:
     its body is read; 429 with ``Retry-After`` for an address past its wrong-key allowance.
 
     On success ``scope["state"]`` holds ``tenant`` (a ``Tenant`` in no session) or, under
-    ``/v1/admin/``, ``admin`` = ``True``."""
+    ``/v1/admin/`` and on ``OPERATOR_TOO`` with the admin key, ``admin`` = ``True``."""
 
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
@@ -142,6 +144,8 @@ class KeyGateMiddleware:
             state = scope.setdefault("state", {})
             if scope["path"].startswith(ADMIN_PREFIX):
                 self._check_admin(Headers(scope=scope))
+                state["admin"] = True
+            elif scope["path"] in OPERATOR_TOO and self._is_admin(Headers(scope=scope)):
                 state["admin"] = True
             else:
                 tenant, key = await self._tenant(scope, Headers(scope=scope), address)
@@ -226,12 +230,16 @@ class KeyGateMiddleware:
         return tenant, key
 
     def _check_admin(self, headers: Headers) -> None:
-        expected = self.settings.admin_api_key
-        if not expected:
+        if not self.settings.admin_api_key:
             raise Refused(401, ADMIN_OFF, "invalid_api_key")
-        given = _bearer(headers) or ""
-        if not hmac.compare_digest(given.encode(), expected.encode()):
+        if not self._is_admin(headers):
             raise Refused(401, WRONG_ADMIN_KEY, "invalid_api_key")
+
+    def _is_admin(self, headers: Headers) -> bool:
+        """Whether ``Authorization: Bearer`` holds the admin key (never while it is unset)."""
+        expected = self.settings.admin_api_key
+        given = _bearer(headers) or ""
+        return bool(expected) and hmac.compare_digest(given.encode(), expected.encode())
 
 
 def is_operator(headers: Headers, settings: Settings) -> bool:

@@ -1,6 +1,7 @@
 """``/dashboard``: a page that shows the caller's batches, throughput and load, refreshing
 itself from ``/v1/dashboard``. The page and its scripts carry no data and need no key; the data
-endpoint takes the tenant's key like every ``/v1`` call."""
+endpoint takes the tenant's key like every ``/v1`` call, or the admin key (every tenant's
+figures)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 
-from api.deps import CurrentTenant, SessionDep, SettingsDep
+from api.deps import SessionDep, SettingsDep, TenantOrOperator
 from api.errors import BadRequest, NotFound, error_responses
 from api.services import dashboard as dashboard_service
 
@@ -51,10 +52,13 @@ def asset(name: str) -> FileResponse:
 def dashboard_data(
     session: SessionDep,
     settings: SettingsDep,
-    tenant: CurrentTenant,
+    tenant: TenantOrOperator,
     hours: Annotated[float, Query(json_schema_extra={"exclusiveMinimum": 0})] = 3.0,
 ) -> dict[str, Any]:
-    """The page's data: latest batches with figures, per-model throughput, chart series."""
+    """The page's data: latest batches with figures, per-model throughput, chart series, the
+    tenant's queue, share and limits; with the admin key, every tenant's figures."""
     if not 0 < hours <= settings.load_history_hours:
         raise BadRequest(f"hours must be in (0, {settings.load_history_hours:g}].", param="hours")
+    if tenant is None:
+        return dashboard_service.operator_data(session, settings)
     return dashboard_service.data(session, settings, tenant.id, hours=hours)

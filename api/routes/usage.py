@@ -1,5 +1,6 @@
 """``/v1/usage``: what the calling tenant was billed; ``/v1/limits``: its quotas and rate limit
-beside its use of them."""
+beside its use of them; ``/v1/queue``: where its queued lines stand and its share of the
+engines."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from fastapi import APIRouter
 
 from api.deps import CurrentTenant, SessionDep, SettingsDep
 from api.errors import error_responses
-from api.schemas.admin import TenantLimitsView
+from api.schemas.admin import QueueView, TenantLimitsView
 from api.schemas.usage import UsageReport
 from api.services import billing as billing_service
 from api.services import quotas as quotas_service
+from api.services import tenant_views
 from api.services.billing import GroupBy
 
 router = APIRouter(tags=["usage"])
@@ -35,3 +37,13 @@ def get_limits(
 ) -> dict[str, object]:
     """The calling tenant's limits in force (``null``: none) and its use of them."""
     return quotas_service.of_tenant(session, settings, tenant.id)
+
+
+@router.get("/v1/queue", response_model=QueueView, responses=error_responses(401))
+def get_queue(
+    session: SessionDep, settings: SettingsDep, tenant: CurrentTenant
+) -> dict[str, object]:
+    """The calling tenant's queued lines per model with the lines of other tenants that will run
+    before them, and its share of the engines over the last hour against its entitled share.
+    Counts only: no other tenant is named."""
+    return {"object": "queue", **tenant_views.figures(session, settings, [tenant.id])[tenant.id]}

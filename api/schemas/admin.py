@@ -1,4 +1,5 @@
-"""Wire types of ``/v1/admin/scheduler``: the scheduler's pause switch and its view."""
+"""Wire types of ``/v1/admin/scheduler`` (the scheduler's pause switch and its view), of
+``/v1/admin/tenants`` and of a tenant's own limits and queue (``/v1/limits``, ``/v1/queue``)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,41 @@ class TenantLimitsView(BaseModel):
     requests_per_minute: RateLimit
 
 
+class QueuePosition(BaseModel):
+    """A tenant's queued lines of one model (not finished: pending or running) and the lines of
+    other tenants that will run before they are done, urgent (the deadline guard's) and shared
+    (what the fair share serves others meanwhile; ``api.services.tenant_views.positions``)."""
+
+    model: str
+    queued_lines: int
+    lines_ahead: int
+    urgent_lines_ahead: int
+    shared_lines_ahead: int
+
+
+class EngineShare(BaseModel):
+    """A tenant's share of the engines over the last ``window_seconds``: engine-seconds and lines
+    finished, as fractions of all tenants' (``None``: nothing served), beside
+    ``entitled_share``, its weight over the weights of the tenants competing (``None``: it has
+    no work queued and was not served)."""
+
+    window_seconds: int
+    weight: float
+    entitled_share: float | None
+    engine_seconds: float
+    engine_share: float | None
+    lines_finished: int
+    lines_share: float | None
+
+
+class QueueView(BaseModel):
+    """``GET /v1/queue``: the calling tenant's queue positions per model and its engine share."""
+
+    object: Literal["queue"] = "queue"
+    queue: list[QueuePosition]
+    share: EngineShare
+
+
 class TenantView(TenantLimitsView):
     """A tenant as the operator sees it: ``overrides`` are its own figures (``None``: the
     setting's default), the rest the limits in force and its use."""
@@ -103,6 +139,8 @@ class TenantView(TenantLimitsView):
     created_at: int
     weight: float
     overrides: dict[str, int | None]
+    queue: list[QueuePosition]
+    share: EngineShare
 
 
 class TenantList(BaseModel):

@@ -1,6 +1,7 @@
 """The dashboard's data: the tenant's latest batches with their figures, its own throughput and
-queue per model, the last hours of its batch tokens/s against the real-time load signal, and the
-workers that are missing (a model with no live engine worker, no control worker)."""
+queue per model, its queue positions, engine share and quota use, the last hours of its batch
+tokens/s against the real-time load signal, and the workers that are missing (a model with no
+live engine worker, no control worker). With the admin key: every tenant's figures instead."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from sqlalchemy.orm import Session
 
 from api.services import batches as batches_service
 from api.services import health as health_service
+from api.services import quotas as quotas_service
+from api.services import tenant_views
+from api.services import tenants as tenants_service
 from offpeak import billing, scheduler_state
 from offpeak.settings import Settings
 from offpeak.statuses import LineStatus
@@ -102,22 +106,43 @@ def _series(session: Session, tenant_id: str, at: float, hours: float) -> dict[s
     }
 
 
-def data(
-    session: Session, settings: Settings, tenant_id: str, *, hours: float, limit: int = 20
-) -> dict[str, Any]:
-    """Everything the page shows, as JSON-ready values (amounts in US dollars)."""
-    at = time.time()
-    batches, _ = batches_service.page(session, settings, tenant_id, after=None, limit=limit)
+def _service_state(session: Session, settings: Settings, at: float) -> dict[str, Any]:
     state = fleet_stats.scheduler_state(session)
-    load_now = dict(sorted(scheduler_state.loads(state).items()))
     return {
         "generated_at": at,
         "window_seconds": settings.metrics_window_seconds,
         "paused": sorted(pool for pool, on in scheduler_state.pauses(state).items() if on),
-        "load": load_now,
-        "batches": [_with_display(batch) for batch in batches],
-        "models": _models(session, settings, tenant_id, at),
+        "load": dict(sorted(scheduler_state.loads(state).items())),
         # Models no live engine worker serves, a missing control worker: why work may not move.
         "alerts": health_service.alerts(session, settings, at),
+    }
+
+
+def data(
+    session: Session, settings: Settings, tenant_id: str, *, hours: float, limit: int = 20
+) -> dict[str, Any]:
+    """Everything the page shows, as JSON-ready values (amounts in US dollars); ``tenant``:
+    the tenant's queue positions, engine share (``api.services.tenant_views``) and quota use
+    (``GET /v1/limits``'s figures)."""
+    at = time.time()
+    batches, _ = batches_service.page(session, settings, tenant_id, after=None, limit=limit)
+    return {
+        **_service_state(session, settings, at),
+        "tenant": {
+            **tenant_views.figures(session, settings, [tenant_id], at)[tenant_id],
+            "limits": quotas_service.of_tenant(session, settings, tenant_id),
+        },
+        "batches": [_with_display(batch) for batch in batches],
+        "models": _models(session, settings, tenant_id, at),
         "series": _series(session, tenant_id, at, hours),
+    }
+
+
+def operator_data(session: Session, settings: Settings) -> dict[str, Any]:
+    """What the page shows the operator (the admin key): the service's state and every
+    tenant's view (``api.services.tenants.list_tenants``: limits, use, queue, share)."""
+    return {
+        **_service_state(session, settings, time.time()),
+        "operator": True,
+        "tenants": tenants_service.list_tenants(session, settings),
     }

@@ -1,6 +1,6 @@
 """The operator's view of tenants (``offpeak tenants``, ``/v1/admin/tenants``): each tenant's
-weight, quota and rate-limit overrides, the limits in force and its use of them; and setting the
-overrides.
+weight, quota and rate-limit overrides, the limits in force and its use of them, its queue
+positions and engine share (``api.services.tenant_views``); and setting the overrides.
 
 A tenant's overrides are its ``tenants`` columns (``None``: the setting's default,
 ``offpeak.tenant_limits``); a new figure applies to the next create, upload or validation at
@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, NotFound
-from api.services import keys
+from api.services import keys, tenant_views
 from api.services import quotas as quotas_service
 from offpeak import tenant_limits
 from offpeak.settings import Settings
@@ -26,7 +26,9 @@ from storage.repositories import tenants as tenants_repo
 SETTABLE = ("weight", *tenant_limits.LIMIT_NAMES)
 
 
-def _view(tenant: Tenant, settings: Settings, use: quotas_repo.TenantUse) -> dict[str, Any]:
+def _view(
+    tenant: Tenant, settings: Settings, use: quotas_repo.TenantUse, views: dict[str, Any]
+) -> dict[str, Any]:
     limits = tenant_limits.resolve(tenant, settings.limits)
     return {
         "object": "tenant",
@@ -36,14 +38,24 @@ def _view(tenant: Tenant, settings: Settings, use: quotas_repo.TenantUse) -> dic
         "weight": tenant.weight if tenant.weight is not None else 1.0,
         "overrides": {name: getattr(tenant, name) for name in tenant_limits.LIMIT_NAMES},
         **quotas_service.figures(limits, use),
+        **views,
     }
 
 
 def list_tenants(session: Session, settings: Settings) -> list[dict[str, Any]]:
     """Every tenant's view, by name."""
     tenants = tenants_repo.all_tenants(session)
-    use = quotas_repo.use_of(session, [tenant.id for tenant in tenants])
-    return [_view(tenant, settings, use[tenant.id]) for tenant in tenants]
+    ids = [tenant.id for tenant in tenants]
+    use = quotas_repo.use_of(session, ids)
+    views = tenant_views.figures(session, settings, ids)
+    return [_view(tenant, settings, use[tenant.id], views[tenant.id]) for tenant in tenants]
+
+
+def _one(session: Session, settings: Settings, tenant: Tenant) -> dict[str, Any]:
+    use = quotas_repo.use_of(session, [tenant.id])[tenant.id]
+    return _view(
+        tenant, settings, use, tenant_views.figures(session, settings, [tenant.id])[tenant.id]
+    )
 
 
 def _find(session: Session, name_or_id: str) -> Tenant:
@@ -55,8 +67,7 @@ def _find(session: Session, name_or_id: str) -> Tenant:
 
 def show(session: Session, settings: Settings, name_or_id: str) -> dict[str, Any]:
     """One tenant's view. Raises ``NotFound``."""
-    tenant = _find(session, name_or_id)
-    return _view(tenant, settings, quotas_repo.use_of(session, [tenant.id])[tenant.id])
+    return _one(session, settings, _find(session, name_or_id))
 
 
 def set_overrides(
@@ -81,4 +92,4 @@ def set_overrides(
             raise BadRequest(f"{name} must be an integer >= 0 or null.", param=name)
     session.flush()
     keys.forget_cached()  # this process's keys see a new rate limit at once
-    return _view(tenant, settings, quotas_repo.use_of(session, [tenant.id])[tenant.id])
+    return _one(session, settings, tenant)

@@ -1,4 +1,5 @@
-// The Offpeak dashboard: polls /v1/dashboard with the tenant's key and redraws. No framework;
+// The Offpeak dashboard: polls /v1/dashboard with the tenant's key (or the admin key: every
+// tenant's figures) and redraws. No framework;
 // Chart.js (vendored, see README.md here) draws the load/throughput chart.
 "use strict";
 
@@ -77,6 +78,63 @@ function renderModels(models, windowSeconds) {
     box.append(el("div", { class: "card", "data-model": m.model },
       el("h3", { textContent: m.model }), dl,
       el("p", { class: "muted", textContent: `last ${windowSeconds} s` })));
+  }
+}
+
+function pct(fraction) {
+  return fraction === null || fraction === undefined ? "–" : num(100 * fraction, 0) + " %";
+}
+
+function used(figure) {
+  return `${num(figure.used)} / ${figure.limit === null ? "∞" : num(figure.limit)}`;
+}
+
+// The tenant's own figures: one card per model it has lines queued on, one for its share.
+function renderMine(mine) {
+  const box = $("mine");
+  box.replaceChildren();
+  const card = (title, rows, attrs = {}) => {
+    const dl = el("dl");
+    for (const [k, v] of rows) dl.append(el("dt", { textContent: k }), el("dd", { textContent: v }));
+    box.append(el("div", { class: "card", ...attrs }, el("h3", { textContent: title }), dl));
+  };
+  for (const q of mine.queue) {
+    card(q.model, [
+      ["queued lines", num(q.queued_lines)],
+      ["lines ahead", num(q.lines_ahead)],
+      ["of them urgent", num(q.urgent_lines_ahead)],
+    ], { "data-queue": q.model });
+  }
+  const s = mine.share;
+  const limits = mine.limits;
+  const tokens = Object.entries(limits.enqueued_tokens.by_model);
+  card("share and limits", [
+    ["engine share, last hour", pct(s.engine_share)],
+    ["entitled (weight " + num(s.weight, 2) + ")", pct(s.entitled_share)],
+    ["lines finished", num(s.lines_finished)],
+    ...tokens.map(([m, n]) => ["enqueued tokens, " + m, used({
+      used: n, limit: limits.enqueued_tokens.limit_per_model })]),
+    ["batches in progress", used(limits.batches_in_progress)],
+    ["stored bytes", used(limits.stored_bytes)],
+  ], { "data-share": "" });
+}
+
+// The operator's table: every tenant's queue, share and quota use.
+function renderTenants(tenants) {
+  const body = $("tenants").querySelector("tbody");
+  body.replaceChildren();
+  for (const t of tenants) {
+    const queued = t.queue.reduce((n, q) => n + q.queued_lines, 0);
+    const ahead = t.queue.reduce((n, q) => n + q.lines_ahead, 0);
+    body.append(el("tr", { "data-tenant": t.name },
+      el("td", { title: t.id, textContent: t.name }),
+      el("td", { class: "num", textContent: num(t.weight, 2) }),
+      el("td", { class: "num", textContent: num(queued) }),
+      el("td", { class: "num", textContent: num(ahead) }),
+      el("td", { class: "num", textContent: pct(t.share.engine_share) }),
+      el("td", { class: "num", textContent: pct(t.share.entitled_share) }),
+      el("td", { class: "num", textContent: used(t.batches_in_progress) }),
+      el("td", { class: "num", textContent: used(t.stored_bytes) })));
   }
 }
 
@@ -232,9 +290,19 @@ async function refresh() {
       : "";
     $("updated").textContent = "updated " + clock(data.generated_at, true);
     renderAlerts(data.alerts || []);
-    renderModels(data.models, data.window_seconds);
-    renderBatches(data.batches);
-    renderChart(data.series);
+    const operator = data.operator === true;
+    for (const id of ["models-section", "chart-section", "batches-section", "mine-section"]) {
+      $(id).hidden = operator;
+    }
+    $("tenants-section").hidden = !operator;
+    if (operator) {
+      renderTenants(data.tenants);
+    } else {
+      renderMine(data.tenant);
+      renderModels(data.models, data.window_seconds);
+      renderBatches(data.batches);
+      renderChart(data.series);
+    }
   }
   timer = setTimeout(refresh, REFRESH_SECONDS * 1000);
 }

@@ -331,7 +331,8 @@ def usage_command(
     group_by: Annotated[str, typer.Option(help="model, day or none.")] = "model",
 ) -> None:
     """What this key's tenant was billed: requests, tokens, GPU-seconds, cost, price, saving;
-    then its quotas and rate limit beside its use of them."""
+    then its quotas and rate limit beside its use of them, its queued lines with the lines of
+    other tenants ahead of them, and its share of the engines against its entitled share."""
     import time
 
     from offpeak.cli import client as client_tools
@@ -342,6 +343,7 @@ def usage_command(
     report = client_tools.usage(client, end - days * 86_400, end, grouping)
     client_tools.print_usage(report, console)
     client_tools.print_limits(client_tools.limits(client), console)
+    client_tools.print_queue(client_tools.queue(client), console)
 
 
 @app.command()

@@ -188,6 +188,39 @@ def limits(client: OpenAI) -> dict[str, Any]:
     return report
 
 
+def queue(client: OpenAI) -> dict[str, Any]:
+    """``GET /v1/queue``: the tenant's queue positions per model and its engine share."""
+    report = client.get("/queue", cast_to=object)
+    assert isinstance(report, dict)
+    return report
+
+
+def percent(fraction: float | None) -> str:
+    """A share as a whole percentage (``-``: none)."""
+    return "-" if fraction is None else f"{100 * fraction:.0f}%"
+
+
+def print_queue(report: dict[str, Any], console: Console) -> None:
+    """The tenant's queued lines per model with the lines of other tenants that will run before
+    them, then its share of the engines against its entitled share."""
+    table = Table(title="queue", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1))
+    table.add_column("model", no_wrap=True, overflow="ellipsis", max_width=30)
+    for name in ("queued lines", "lines ahead", "of them urgent"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for row in report["queue"]:
+        table.add_row(row["model"], f"{row['queued_lines']:,}", f"{row['lines_ahead']:,}",
+                      f"{row['urgent_lines_ahead']:,}")  # fmt: skip
+    if not report["queue"]:
+        table.add_row("(nothing queued)", "0", "0", "0")
+    console.print(table)
+    share = report["share"]
+    console.print(
+        f"engine share, last {share['window_seconds'] // 60} min: {percent(share['engine_share'])}"
+        f" ({share['engine_seconds']:.1f} engine-s, {share['lines_finished']:,} lines);"
+        f" entitled {percent(share['entitled_share'])} (weight {share['weight']:g})"
+    )
+
+
 def print_limits(report: dict[str, Any], console: Console) -> None:
     """The tenant's limits as a table: used of limit (``none``: no limit), one row each and
     one per model holding enqueued tokens."""

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from offpeak.cli import exit_codes
-from offpeak.cli.client import format_count
+from offpeak.cli.client import format_count, percent
 from offpeak.settings import get_settings
 
 tenants_app = typer.Typer(help="Tenants: weights, quotas, rate limits.", no_args_is_help=True)
@@ -45,19 +45,28 @@ def _run(action: Any) -> Any:
 
 @tenants_app.command("list")
 def list_command() -> None:
-    """Every tenant: weight, enqueued tokens (the most any model holds, of the per-model
-    limit), batches in progress, stored bytes and requests per minute (∞: no limit)."""
+    """Every tenant: weight, queued lines and the lines of other tenants ahead of them (summed
+    over models), its share of the engine-seconds of the last hour against its entitled share,
+    enqueued tokens (the most any model holds, of the per-model limit), batches in progress,
+    stored bytes and requests per minute (∞: no limit)."""
     from api.services import tenants
 
     table = Table(title="tenants", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1))
-    for name in ("name", "id", "weight", "enqueued tok", "batches", "stored B", "req/min"):
+    columns = ("name", "id", "weight", "queued", "ahead", "share", "entitled", "enqueued tok",
+               "batches", "stored B", "req/min")  # fmt: skip
+    for name in columns:
         table.add_column(name, no_wrap=True)
     for view in _run(tenants.list_tenants):
         tokens = view["enqueued_tokens"]
+        share = view["share"]
         table.add_row(
             view["name"],
             view["id"],
             f"{view['weight']:g}",
+            format_count(sum(q["queued_lines"] for q in view["queue"])),
+            format_count(sum(q["lines_ahead"] for q in view["queue"])),
+            percent(share["engine_share"]),
+            percent(share["entitled_share"]),
             _of(max(tokens["by_model"].values(), default=0), tokens["limit_per_model"]),
             _of(view["batches_in_progress"]["used"], view["batches_in_progress"]["limit"]),
             _of(view["stored_bytes"]["used"], view["stored_bytes"]["limit"]),
@@ -91,7 +100,16 @@ def print_tenant(view: dict[str, Any]) -> None:
         )
     for model, held in sorted(tokens["by_model"].items()):
         table.add_row(f"  enqueued tokens, {model}", "", "", f"{held:,}")
+    for q in view.get("queue", []):
+        table.add_row(f"  queued lines, {q['model']}", "", "",
+                      f"{q['queued_lines']:,} ({q['lines_ahead']:,} ahead)")  # fmt: skip
     console.print(table)
+    share = view.get("share")
+    if share:
+        console.print(
+            f"engine share, last hour: {percent(share['engine_share'])}, "
+            f"entitled {percent(share['entitled_share'])}"
+        )
 
 
 @tenants_app.command("show")

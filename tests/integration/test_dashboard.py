@@ -1,8 +1,9 @@
 """The dashboard in headless Chromium (Debian's ``chromium``, driven by Playwright; see
 ``shared/docs/environment.md``): the page loads without console errors, a running batch's
-progress visibly advances, its chart has data, and the final state is saved as a screenshot: in
-the test's temporary folder, or where ``OFFPEAK_DASHBOARD_PNG`` says (``make docs-dashboard``
-sets it to ``docs/dashboard.png``, the README's picture, to regenerate it on purpose)."""
+progress visibly advances, its queue card counts its lines, its chart has data, and the final
+state is saved as a screenshot: in the test's temporary folder, or where
+``OFFPEAK_DASHBOARD_PNG`` says (``make docs-dashboard`` sets it to ``docs/dashboard.png``, the
+README's picture, to regenerate it on purpose)."""
 
 from __future__ import annotations
 
@@ -150,6 +151,9 @@ def test_dashboard_shows_progress_in_chromium(
         row.wait_for(timeout=15_000)
         assert tenant.key not in page.url, "the key stays out of the address bar"
         assert int(row.get_attribute("data-done") or -1) == 0
+        queue_card = page.locator(f'.card[data-queue="{MODEL}"]').inner_text()
+        assert "lines ahead" in queue_card and "240" in queue_card
+        assert "entitled" in page.locator(".card[data-share]").inner_text()
 
         worker.start()
         seen: list[int] = []
