@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from offpeak.cli import app
 from offpeak.settings import get_settings
+from workers import calibration
 from workers.calibration import (
     CALIBRATION_FILE,
     CalibrationPoint,
@@ -254,9 +255,18 @@ def test_choose_engine_limits_caps() -> None:
 # --- calibration ------------------------------------------------------------------------------
 
 
+_engines: list[SleepingEngine] = []
+
+
+def _engine_clock() -> float:
+    """The virtual clock of the last ``SleepingEngine`` made."""
+    return _engines[-1].clock
+
+
 class SleepingEngine:
-    """An ``Engine`` whose step sleeps ``base + per_seq × running``, plus ``prefill`` seconds in
-    a step that admits new requests (so timing prefill would visibly bias the fit)."""
+    """An ``Engine`` whose step takes ``base + per_seq × running``, plus ``prefill`` seconds in
+    a step that admits new requests (so timing prefill would visibly bias the fit), on a virtual
+    clock (``clock``) the calibration reads: the fit is exact on a loaded machine too."""
 
     model_name = "fake-model"
     max_model_len = 2048
@@ -267,6 +277,8 @@ class SleepingEngine:
         self.base_s, self.per_seq_s, self.prefill_s = base_s, per_seq_s, prefill_s
         self.left: dict[str, int] = {}
         self.new = False
+        self.clock = 0.0
+        _engines.append(self)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         return [1, 2, 3]
@@ -281,7 +293,7 @@ class SleepingEngine:
     def step(self) -> list[EngineResult]:
         prefill = self.prefill_s if self.new else 0.0
         self.new = False
-        time.sleep(self.base_s + self.per_seq_s * len(self.left) + prefill)
+        self.clock += self.base_s + self.per_seq_s * len(self.left) + prefill
         finished = []
         for request_id in list(self.left):
             self.left[request_id] -= 1
@@ -305,6 +317,8 @@ class SleepingEngine:
 @pytest.fixture
 def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("OFFPEAK_MODEL_CACHE_DIR", str(tmp_path))
+    # The calibration times each step on the engine's virtual clock (``SleepingEngine.clock``).
+    monkeypatch.setattr(calibration, "time", SimpleNamespace(perf_counter=_engine_clock))
     get_settings.cache_clear()
     yield tmp_path
     get_settings.cache_clear()
@@ -316,9 +330,8 @@ def test_calibration_recovers_the_step_model_and_round_trips(cache_dir: Path) ->
 
     assert [p.batch for p in result.points] == [1, 8, 32, 64]
     assert all(p.steps == 10 for p in result.points)  # 12 steps less 2 of prefill
-    # Sleeps overshoot by tens of µs, so the base comes out slightly high.
-    assert result.step_model.base_ms == pytest.approx(2.0, abs=0.75)
-    assert result.step_model.per_seq_ms == pytest.approx(0.2, abs=0.04)
+    assert result.step_model.base_ms == pytest.approx(2.0)
+    assert result.step_model.per_seq_ms == pytest.approx(0.2)
     assert engine.num_unfinished() == 0
 
     stored = json.loads((cache_dir / CALIBRATION_FILE).read_text())
