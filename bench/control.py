@@ -162,9 +162,11 @@ def floor(
                 out_bytes += len(block)
         read = time.perf_counter()
         done = conn.execute("SELECT completed FROM batches WHERE id = %s", (floor_id,)).fetchone()
+        # Timed: the retention sweep's work for a batch, in one statement rather than pieces.
         with conn.transaction():
             conn.execute("DELETE FROM requests WHERE batch_id = %s", (floor_id,))
             conn.execute("DELETE FROM batches WHERE id = %s", (floor_id,))
+        deleted = time.perf_counter()
         conn.execute("DROP PROCEDURE offpeak_bench_floor")
     lines = len(raw_lines)
     if done is None or done[0] != lines:
@@ -180,8 +182,28 @@ def floor(
         "call_s": ran - copied,
         "read_s": read - ran,
         "read_mb": out_bytes / MB,
+        "delete_s": deleted - read,
         "total_s": total,
         "requests_per_s": lines / total,
+    }
+
+
+def requests_footprint(database_url: str) -> dict[str, float]:
+    """Bytes of the ``requests`` table per row it holds: on disk (heap with TOAST, and its
+    indexes, dead versions not yet vacuumed included) and of the live rows themselves."""
+    conninfo = database_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*), coalesce(sum(pg_column_size(r.*)), 0), "
+            "pg_table_size('requests'), pg_indexes_size('requests') FROM requests AS r"
+        ).fetchone()
+    assert row is not None
+    rows = max(row[0], 1)
+    return {
+        "rows": row[0],
+        "live_row_bytes": row[1] / rows,
+        "table_bytes": row[2] / rows,
+        "index_bytes": row[3] / rows,
     }
 
 
@@ -201,7 +223,7 @@ def engine_names(service: Service) -> list[str]:
     return [name for name in service.stack.procs if name.startswith("engine")]
 
 
-def add_engine_workers(service: Service, count: int, timeout: float = 120.0) -> None:
+def add_engine_workers(service: Service, count: int, timeout: float = 300.0) -> None:
     """Start engine workers ``engine2`` … ``engine<count>`` beside the first, each its own
     process, and wait until ``count`` engine workers have registered ready. Raises
     ``TimeoutError`` with their logs otherwise."""
@@ -269,6 +291,7 @@ def run_batch(
     by_worker = {name: claim_sizes(service, name)[claims_before[name] :] for name in names}
     sizes = [size for worker in by_worker.values() for size in worker]
     extra["lines_by_engine_worker"] = [sum(worker) for worker in by_worker.values()]
+    extra["requests_per_row"] = requests_footprint(service.database_url)
     if with_floor:
         chunk = round(sum(sizes) / len(sizes)) if sizes else 1024
         with output.open() as handle:
@@ -358,20 +381,23 @@ def run(
         f"control plane: instant engine, create → completed → output downloaded "
         f"(load {machine['load_average']})",
         ["engine workers", "lines", "validate s", "run s", "finalize s", "download s",
-         "total s", "requests/s", "lines by worker", "load (1 min)"],
+         "total s", "requests/s", "lines by worker", "requests B/row (live/table/index)",
+         "load (1 min)"],
         [[r["engine_workers"], r["lines"], r["validate_s"], r["run_s"], r["finalize_s"],
           r["download_s"], r["total_s"], r["requests_per_s"],
-          " / ".join(str(n) for n in r["lines_by_engine_worker"]), r["load_average"][0]]
+          " / ".join(str(n) for n in r["lines_by_engine_worker"]),
+          " / ".join(f"{v:.0f}" for k, v in r["requests_per_row"].items() if k != "rows"),
+          r["load_average"][0]]
          for r in runs],
     )  # fmt: skip
     harness.print_table(
         "the database's floor: the same transitions in bare SQL, one session",
         ["engine workers", "claims × chunk", "COPY in s", "claims s", "result writes s",
-         "read out s", "total s", "requests/s", "Offpeak / floor"],
+         "read out s", "total s", "requests/s", "Offpeak / floor", "delete s"],
         [[r["engine_workers"], f"{r['floor']['chunks']} × {r['floor']['chunk']}",
           r["floor"]["copy_s"], r["floor"]["claim_s"], r["floor"]["write_s"],
           r["floor"]["read_s"], r["floor"]["total_s"], r["floor"]["requests_per_s"],
-          r["floor_ratio"]] for r in runs],
+          r["floor_ratio"], r["floor"]["delete_s"]] for r in runs],
     )  # fmt: skip
     path = harness.write_result("control", result, out_dir)
     harness.console.print(f"wrote {path}")
