@@ -130,7 +130,7 @@ def control(
     engine_workers: Annotated[
         list[int] | None,
         typer.Option(
-            help="Engine worker processes on the one database (repeat: a run per count; default 1).",
+            help="Engine worker processes on one database (repeat: a run per count; default 1).",
             min=1,
         ),
     ] = None,
