@@ -162,9 +162,11 @@ def floor(
                 out_bytes += len(block)
         read = time.perf_counter()
         done = conn.execute("SELECT completed FROM batches WHERE id = %s", (floor_id,)).fetchone()
+        # Timed: the retention sweep's work for a batch, in one statement rather than pieces.
         with conn.transaction():
             conn.execute("DELETE FROM requests WHERE batch_id = %s", (floor_id,))
             conn.execute("DELETE FROM batches WHERE id = %s", (floor_id,))
+        deleted = time.perf_counter()
         conn.execute("DROP PROCEDURE offpeak_bench_floor")
     lines = len(raw_lines)
     if done is None or done[0] != lines:
@@ -180,8 +182,28 @@ def floor(
         "call_s": ran - copied,
         "read_s": read - ran,
         "read_mb": out_bytes / MB,
+        "delete_s": deleted - read,
         "total_s": total,
         "requests_per_s": lines / total,
+    }
+
+
+def requests_footprint(database_url: str) -> dict[str, float]:
+    """Bytes of the ``requests`` table per row it holds: on disk (heap with TOAST, and its
+    indexes, dead versions not yet vacuumed included) and of the live rows themselves."""
+    conninfo = database_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*), coalesce(sum(pg_column_size(r.*)), 0), "
+            "pg_table_size('requests'), pg_indexes_size('requests') FROM requests AS r"
+        ).fetchone()
+    assert row is not None
+    rows = max(row[0], 1)
+    return {
+        "rows": row[0],
+        "live_row_bytes": row[1] / rows,
+        "table_bytes": row[2] / rows,
+        "index_bytes": row[3] / rows,
     }
 
 
@@ -190,10 +212,37 @@ def instant_service(**kwargs: Any) -> Any:
     return harness.scratch_service({MODEL: {"engine": "instant"}}, **kwargs)
 
 
-def claim_sizes(service: Service) -> list[int]:
-    """The engine worker's claims so far (lines each), from its log's "claimed N lines"."""
-    text = (service.stack.log_dir / "engine.log").read_text(errors="replace")
+def claim_sizes(service: Service, name: str = "engine") -> list[int]:
+    """Engine worker ``name``'s claims so far (lines each), from its log's "claimed N lines"."""
+    text = (service.stack.log_dir / f"{name}.log").read_text(errors="replace")
     return [int(m) for m in re.findall(r": claimed (\d+) lines", text)]
+
+
+def engine_names(service: Service) -> list[str]:
+    """The running engine workers' process names: ``engine``, then ``engine2``, ``engine3``, …"""
+    return [name for name in service.stack.procs if name.startswith("engine")]
+
+
+def add_engine_workers(service: Service, count: int, timeout: float = 300.0) -> None:
+    """Start engine workers ``engine2`` … ``engine<count>`` beside the first, each its own
+    process, and wait until ``count`` engine workers have registered ready. Raises
+    ``TimeoutError`` with their logs otherwise."""
+    for n in range(2, count + 1):
+        service.stack.start_worker("engine", f"engine{n}")
+    conninfo = service.database_url.replace("postgresql+psycopg://", "postgresql://")
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        while True:
+            row = conn.execute(
+                "SELECT count(*) FROM workers WHERE ready AND role = 'engine'"
+            ).fetchone()
+            if row is not None and row[0] >= count:
+                return
+            service.stack.check_alive()
+            if time.monotonic() > deadline:
+                logs = "\n".join(service.stack.tail(n) for n in engine_names(service))
+                raise TimeoutError(f"{row} of {count} engine workers ready:\n{logs}")
+            time.sleep(0.2)
 
 
 def run_batch(
@@ -206,7 +255,8 @@ def run_batch(
     and measure ``floor`` on the same file and database, in the mean chunk size of this batch's
     claims; the result gets ``floor`` and ``floor_ratio`` (Offpeak's requests/s over the
     floor's)."""
-    claims_before = len(claim_sizes(service))
+    names = engine_names(service)
+    claims_before = {name: len(claim_sizes(service, name)) for name in names}
     path = folder / f"control-{lines}.jsonl"
     size = write_padded_file(path, lines, lines * LINE_BYTES, model=MODEL)
     client = service.client
@@ -238,8 +288,11 @@ def run_batch(
     in_progress = phases.get("in_progress", 0.0)
     finalizing = phases.get("finalizing", ended - started)
     extra: dict[str, Any] = {}
+    by_worker = {name: claim_sizes(service, name)[claims_before[name] :] for name in names}
+    sizes = [size for worker in by_worker.values() for size in worker]
+    extra["lines_by_engine_worker"] = [sum(worker) for worker in by_worker.values()]
+    extra["requests_per_row"] = requests_footprint(service.database_url)
     if with_floor:
-        sizes = claim_sizes(service)[claims_before:]
         chunk = round(sum(sizes) / len(sizes)) if sizes else 1024
         with output.open() as handle:
             first_line = handle.readline().rstrip("\n")
@@ -250,6 +303,7 @@ def run_batch(
     path.unlink()
     output.unlink()
     return extra | {
+        "engine_workers": len(names),
         "lines": lines,
         "input_mb": size / MB,
         "output_mb": out_bytes / MB,
@@ -270,10 +324,15 @@ def run_batch(
 
 
 def measure(
-    lines: int, *, with_floor: bool = False, profile_dir: Path | None = None
+    lines: int,
+    *,
+    engine_workers: int = 1,
+    with_floor: bool = False,
+    profile_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """``run_batch`` on a fresh scratch service (API, control and engine worker) after a
-    warm-up batch, so every size starts from the same worker state. ``profile_dir``: the
+    """``run_batch`` on a fresh scratch service (API, control worker and ``engine_workers``
+    engine worker processes, all on one database) after a warm-up batch, so every size starts
+    from the same worker state. ``profile_dir``: the
     workers run their tasks under cProfile (``workers.profiling``) and write ``.prof`` files
     there (the profiler slows them: a profiled run's figures are not the benchmark's)."""
     env = {"OFFPEAK_PROFILE_DIR": str(profile_dir)} if profile_dir else None
@@ -281,45 +340,64 @@ def measure(
         tempfile.TemporaryDirectory(prefix="offpeak-control-") as tmp,
         instant_service(env=env) as service,
     ):
+        add_engine_workers(service, engine_workers)
         harness.warm_up(service, MODEL, Path(tmp))
         return run_batch(service, Path(tmp), lines, with_floor=with_floor)
 
 
 def run(
-    lines: int = 50_000, out_dir: Path | None = None, profile_dir: Path | None = None
+    lines: int = 50_000,
+    out_dir: Path | None = None,
+    profile_dir: Path | None = None,
+    engine_workers: tuple[int, ...] = (1,),
 ) -> dict[str, Any]:
-    """Measure one ``lines``-line batch and the database's floor on the same file; print the
-    tables, write ``control.json``."""
+    """Measure one ``lines``-line batch and the database's floor on the same file, once per
+    count of ``engine_workers`` (each on a fresh service and database); print the tables, write
+    ``control.json``. A target is met when every run meets it."""
     machine = harness.machine()
-    r = measure(lines, with_floor=True, profile_dir=profile_dir)
-    f = r["floor"]
+    runs = [
+        measure(lines, engine_workers=n, with_floor=True, profile_dir=profile_dir)
+        for n in engine_workers
+    ]
     result = {
         "benchmark": "control",
         "machine": machine,
         "load_average_end": harness.load_average(),
-        "params": {"lines": lines, "line_bytes": LINE_BYTES, "engine": "instant"},
+        "params": {
+            "lines": lines,
+            "line_bytes": LINE_BYTES,
+            "engine": "instant",
+            "engine_workers": list(engine_workers),
+        },
         "profiled": profile_dir is not None,
-        "runs": [r],
+        "runs": runs,
         "targets": {"requests_per_s": TARGET_REQUESTS_PER_S, "floor_ratio": TARGET_FLOOR_RATIO},
         "met": {
-            "requests_per_s": r["requests_per_s"] >= TARGET_REQUESTS_PER_S,
-            "floor_ratio": r["floor_ratio"] >= TARGET_FLOOR_RATIO,
+            "requests_per_s": all(r["requests_per_s"] >= TARGET_REQUESTS_PER_S for r in runs),
+            "floor_ratio": all(r["floor_ratio"] >= TARGET_FLOOR_RATIO for r in runs),
         },
     }
     harness.print_table(
         f"control plane: instant engine, create → completed → output downloaded "
         f"(load {machine['load_average']})",
-        ["lines", "validate s", "run s", "finalize s", "download s", "total s", "requests/s"],
-        [[r["lines"], r["validate_s"], r["run_s"], r["finalize_s"], r["download_s"],
-          r["total_s"], r["requests_per_s"]]],
+        ["engine workers", "lines", "validate s", "run s", "finalize s", "download s",
+         "total s", "requests/s", "lines by worker", "requests B/row (live/table/index)",
+         "load (1 min)"],
+        [[r["engine_workers"], r["lines"], r["validate_s"], r["run_s"], r["finalize_s"],
+          r["download_s"], r["total_s"], r["requests_per_s"],
+          " / ".join(str(n) for n in r["lines_by_engine_worker"]),
+          " / ".join(f"{v:.0f}" for k, v in r["requests_per_row"].items() if k != "rows"),
+          r["load_average"][0]]
+         for r in runs],
     )  # fmt: skip
     harness.print_table(
-        f"the database's floor: the same transitions in bare SQL, {f['chunks']} claims of "
-        f"{f['chunk']} lines (Offpeak / floor = {r['floor_ratio']:.2f})",
-        ["lines", "COPY in s", "claims s", "result writes s", "read out s", "total s",
-         "requests/s"],
-        [[f["lines"], f["copy_s"], f["claim_s"], f["write_s"], f["read_s"], f["total_s"],
-          f["requests_per_s"]]],
+        "the database's floor: the same transitions in bare SQL, one session",
+        ["engine workers", "claims × chunk", "COPY in s", "claims s", "result writes s",
+         "read out s", "total s", "requests/s", "Offpeak / floor", "delete s"],
+        [[r["engine_workers"], f"{r['floor']['chunks']} × {r['floor']['chunk']}",
+          r["floor"]["copy_s"], r["floor"]["claim_s"], r["floor"]["write_s"],
+          r["floor"]["read_s"], r["floor"]["total_s"], r["floor"]["requests_per_s"],
+          r["floor_ratio"], r["floor"]["delete_s"]] for r in runs],
     )  # fmt: skip
     path = harness.write_result("control", result, out_dir)
     harness.console.print(f"wrote {path}")

@@ -127,13 +127,21 @@ def control(
         Path | None,
         typer.Option(help="Folder for the workers' cProfile files (slows them; not a result)."),
     ] = None,
+    engine_workers: Annotated[
+        list[int] | None,
+        typer.Option(
+            help="Engine worker processes on one database (repeat: a run per count; default 1).",
+            min=1,
+        ),
+    ] = None,
     out: OutDir = None,
 ) -> None:
     """The instant engine: requests/s from create to the output file downloaded, against the
-    database's floor (the same row transitions in bare SQL) on the same database."""
+    database's floor (the same row transitions in bare SQL) on the same database; one run per
+    ``--engine-workers`` count."""
     from bench import control as module
 
-    module.run(lines, out, profile)
+    module.run(lines, out, profile, tuple(engine_workers or [1]))
 
 
 @bench_app.command("tenants")

@@ -156,16 +156,23 @@ def test_intake_command_runs(tmp_path: Path) -> None:
 
 
 def test_control_command_runs(tmp_path: Path) -> None:
-    result = CliRunner().invoke(app, ["bench", "control", "--lines", "500", "--out", str(tmp_path)])
+    result = CliRunner().invoke(
+        app,
+        ["bench", "control", "--lines", "500", "--engine-workers", "2", "--out", str(tmp_path)],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "control.json").read_text())
     (run,) = report["runs"]
     assert run["lines"] == 500 and run["requests_per_s"] > 0
+    # Two engine worker processes ran on the one database; between them they claimed every line.
+    assert run["engine_workers"] == 2 and len(run["lines_by_engine_worker"]) == 2
+    assert sum(run["lines_by_engine_worker"]) >= 500
+    assert run["requests_per_row"]["rows"] >= 500 and run["requests_per_row"]["table_bytes"] > 0
     assert run["engine_rss_peak_mb"] >= run["engine_rss_baseline_mb"] > 0
     # The database's floor ran on the same lines, in the claims' chunk size, and was cleaned up.
     floor = run["floor"]
     assert floor["lines"] == 500 and floor["chunks"] >= 1 and floor["chunk"] >= 1
-    assert floor["requests_per_s"] > 0 and run["floor_ratio"] > 0
+    assert floor["requests_per_s"] > 0 and run["floor_ratio"] > 0 and floor["delete_s"] > 0
     assert set(report["met"]) == {"requests_per_s", "floor_ratio"}
 
 

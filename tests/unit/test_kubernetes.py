@@ -1,4 +1,4 @@
-"""The Kubernetes manifests of ``examples/kubernetes/``: valid against the Kubernetes schemas
+"""The Kubernetes manifests of ``deploy/kubernetes/``: valid against the Kubernetes schemas
 (``kubernetes-validate``, offline, its bundled schemas), and true to the code: real commands,
 variables that are settings, probes on real routes, the autoscaler on a metric the API serves."""
 
@@ -17,7 +17,7 @@ from offpeak.cli import app
 from offpeak.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDER = ROOT / "examples" / "kubernetes"
+FOLDER = ROOT / "deploy" / "kubernetes"
 #: The oldest Kubernetes minor still in upstream support when the manifests were written.
 KUBERNETES = "1.33.0"
 DOCS = [
