@@ -47,7 +47,7 @@ NO_KEY = (
 WRONG_KEY = "Incorrect API key provided."
 NO_ANTHROPIC_KEY = "x-api-key header is required"
 WRONG_ANTHROPIC_KEY = "invalid x-api-key"
-ADMIN_OFF = "The admin API is off: set OFFPEAK_ADMIN_API_KEY (or use `offpeak pause`)."
+ADMIN_OFF = "The admin API is off: set OFFPEAK_ADMIN_API_KEY where the API runs to turn it on."
 WRONG_ADMIN_KEY = "Incorrect admin API key provided."
 
 

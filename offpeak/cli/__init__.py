@@ -419,8 +419,8 @@ def main() -> None:
         app()
     except openai.APIConnectionError as exc:
         console.print(
-            f"[red]cannot reach the Offpeak API: {exc}[/red] (is `offpeak serve` running, "
-            "and OPENAI_BASE_URL right?)",
+            f"[red]cannot reach the Offpeak API at {exc.request.url}: "
+            f"{exc}[/red] (is `offpeak serve` running, and OPENAI_BASE_URL right?)",
             soft_wrap=True,
         )
         raise SystemExit(exit_codes.UNREACHABLE) from None

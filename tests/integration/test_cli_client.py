@@ -218,7 +218,7 @@ def test_the_console_entry_point_exits_7_when_the_api_is_unreachable() -> None:
         timeout=120,
     )
     assert unreachable.returncode == exit_codes.UNREACHABLE == 7, unreachable.stderr
-    assert "cannot reach the Offpeak API" in unreachable.stdout
+    assert "cannot reach the Offpeak API at http://127.0.0.1:9/v1/" in unreachable.stdout
     assert "Traceback" not in unreachable.stdout + unreachable.stderr
 
 
