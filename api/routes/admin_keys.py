@@ -34,7 +34,7 @@ def create_key(body: CreateKey, session: SessionDep) -> AdminKey:
     return _shown(key, body.tenant, plain)
 
 
-@router.get("", response_model=AdminKeyList, responses=error_responses(401))
+@router.get("", response_model=AdminKeyList, responses=error_responses(400, 401))
 def list_keys(
     session: SessionDep, tenant: str | None = Query(default=None, max_length=200)
 ) -> AdminKeyList:

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from offpeak.billing import format_usd
 from offpeak.cli import exit_codes
+from offpeak.cli.tables import print_whole
 from offpeak.settings import get_settings
 
 console = Console(soft_wrap=True)
@@ -128,7 +129,7 @@ def print_estimate(estimate: dict, console: Console) -> None:  # type: ignore[ty
     ):
         if value is not None:
             table.add_row(key, str(value))
-    console.print(table)
+    print_whole(console, table)
 
 
 def keys_new_secret_key_command() -> None:

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from offpeak.billing import format_usd
+from offpeak.cli.tables import print_whole
 from offpeak.statuses import BatchStatus
 
 
@@ -343,7 +344,7 @@ def print_batches(batches: list[Batch], console: Console) -> None:
         price = format_usd((batch.model_extra or {}).get("price"))
         model = getattr(batch, "model", None) or "-"
         table.add_row(batch.id, batch.status, model, lines, price)
-    console.print(table)
+    print_whole(console, table)
 
 
 #: ``error.code`` of lines that failed for a reason of the server's, not the request's.

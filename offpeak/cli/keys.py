@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from offpeak.cli import exit_codes
+from offpeak.cli.tables import print_whole
 from offpeak.settings import get_settings
 
 console = Console(soft_wrap=True)
@@ -115,7 +116,7 @@ def list_command(
         table.add_column(column, no_wrap=column in ("id", "starts", "created", "revoked"))
     for key_id, tenant_name, label, prefix, created, revoked in rows:
         table.add_row(key_id, tenant_name, label or "-", prefix + "…", _day(created), _day(revoked))
-    console.print(table)
+    print_whole(console, table)
 
 
 def revoke_command(

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from offpeak.cli import exit_codes
 from offpeak.cli.client import format_count, percent
+from offpeak.cli.tables import print_whole
 from offpeak.settings import get_settings
 
 tenants_app = typer.Typer(help="Tenants: weights, quotas, rate limits.", no_args_is_help=True)
@@ -72,7 +73,7 @@ def list_command() -> None:
             _of(view["stored_bytes"]["used"], view["stored_bytes"]["limit"]),
             _of(None, view["requests_per_minute"]["limit"]),
         )
-    console.print(table)
+    print_whole(console, table)
 
 
 def print_tenant(view: dict[str, Any]) -> None:
@@ -103,7 +104,7 @@ def print_tenant(view: dict[str, Any]) -> None:
     for q in view.get("queue", []):
         table.add_row(f"  queued lines, {q['model']}", "", "",
                       f"{q['queued_lines']:,} ({q['lines_ahead']:,} ahead)")  # fmt: skip
-    console.print(table)
+    print_whole(console, table)
     share = view.get("share")
     if share:
         console.print(

@@ -49,8 +49,10 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmSer
     folder = ensure_model(MODEL, settings.models[MODEL], settings.model_cache_dir)
     logs = tmp_path_factory.mktemp("fleet")
     pair = tuple(
+        # 1 GiB of KV cache is room for SEQS sequences many times over: two replicas start
+        # beside the live stack's engines without running the machine out of memory.
         VllmServe(folder, MODEL, free_port(), logs / f"{name}.log", ("--max-num-seqs", str(SEQS)),
-                  dies_with_this_process=True)
+                  dies_with_this_process=True, kv_cache_gib=1)
         for name in ("a", "b")
     )  # fmt: skip
     try:

@@ -23,16 +23,31 @@ BIG = 1200
 SMALL = 5
 
 
+def running_lines(url: str, batch_id: str) -> int:
+    """Lines of the batch an engine worker holds or has finished."""
+    with session_scope(url) as session:
+        return int(
+            session.scalar(
+                select(func.count()).where(
+                    RequestLine.batch_id == batch_id, RequestLine.status != "pending"
+                )
+            )
+            or 0
+        )
+
+
 def test_a_small_batch_finishes_early_behind_a_big_one(
     live: ServiceProcesses, live_settings: Settings, live_sdk: OpenAI
 ) -> None:
     other = OpenAI(base_url=f"{live.base_url}/v1", api_key=new_key(live_settings), max_retries=2)
     big_ids = [f"big-{i}" for i in range(BIG)]
     small_ids = [f"small-{i}" for i in range(SMALL)]
-    big = submit(live_sdk, [chat_line(c, f"Say {i}.", max_tokens=2) for i, c in enumerate(big_ids)])
-    # The big batch runs before the small one is submitted.
+    # Long enough (8 tokens a line) that the big batch is still running when the small one,
+    # submitted once the big one's first lines run, has been validated and claimed.
+    big = submit(live_sdk, [chat_line(c, f"Say {i}.", max_tokens=8) for i, c in enumerate(big_ids)])
+    url = live_settings.resolved_database_url
     deadline = time.monotonic() + 300
-    while (live_sdk.batches.retrieve(big.id).request_counts.completed or 0) == 0:
+    while not running_lines(url, big.id):
         assert time.monotonic() < deadline, live.tail("engine")
         live.check_alive()
         time.sleep(0.1)
@@ -42,7 +57,6 @@ def test_a_small_batch_finishes_early_behind_a_big_one(
     assert small_done.status == big_done.status == "completed"
     check_ran_batch(other, small_done, small_ids)
     check_ran_batch(live_sdk, big_done, big_ids)
-    url = live_settings.resolved_database_url
     with session_scope(url) as session:
         small_end = session.scalar(
             select(func.max(RequestLine.finished_at)).where(RequestLine.batch_id == small.id)
