@@ -187,7 +187,9 @@ def _finished(url: str, ids: list[int]) -> dict[int, tuple[str, str | None, floa
 def test_a_host_cut_mid_batch_loses_nothing_and_its_late_writes_are_fenced(fleet: Fleet) -> None:
     client = _client(fleet)
     lost = fleet.engines["engine-b"]
-    ids = [f"c{i}" for i in range(3000)]
+    # Enough lines that engine-b still holds leased ones when it is cut: the instant engine
+    # answers a claim at once, and a drain that runs out of lines writes back what it holds.
+    ids = [f"c{i}" for i in range(20_000)]
     batch = submit(client, [chat_line(i, f"question {i}", max_tokens=2) for i in ids])
     held: dict[int, float | None] = {}
 
