@@ -27,7 +27,7 @@ from typing import Any
 from bench import claim_rate, harness
 from offpeak.settings import ModelConfig, Settings
 from storage.repositories.requests import ClaimedRequest
-from storage.repositories.shared_claims import SharedClaim, Shares
+from storage.repositories.shared_claims import SharedClaim, Shares, WaitingBatch
 from workers.planner import StepModel
 from workers.scheduler.clock import VirtualClock
 from workers.scheduler.store import WriteBack, WriteBackReport
@@ -106,7 +106,11 @@ class EdfStore(RecordingStore):
     ) -> SharedClaim:
         rows: list[ClaimedRequest] = self.claim(model, limit, owner, at, lease_until)
         self.claim_log.append((at, len(rows)))
-        return SharedClaim(rows, self.waiting(model))
+        return SharedClaim(rows, super().waiting(model))
+
+    def waiting(self, model: str) -> list[WaitingBatch]:
+        # Before the fair share a full queue never looked for new batches.
+        return []
 
 
 def simulate(params: Params, arrivals: list[Arrival], store_type: type[RecordingStore]) -> Any:

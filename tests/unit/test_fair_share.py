@@ -5,16 +5,21 @@ simulation's engine and store."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from typer.testing import CliRunner
 
+from bench.tenants import Params, RecordingStore, completion, simulate
 from offpeak.cli import app
+from offpeak.settings import Settings
 from storage.repositories.requests import ClaimedRequest
 from storage.repositories.shared_claims import SharedClaim, WaitingBatch
 from workers.engine.base import EngineRequest, SamplingSpec
 from workers.engine_io import Prepared
 from workers.runner.held import HeldLine, HeldLines
+from workers.scheduler.clock import VirtualClock
 from workers.scheduler.fair_share import Claimant, FairShare, water_fill
+from workers.sim.store import Arrival
 
 
 def test_water_fill_levels_the_least_served_first_within_caps() -> None:
@@ -91,3 +96,41 @@ def test_a_starting_batch_queues_ahead_of_other_batches_but_behind_urgent_lines(
     # Once held, a batch's next lines queue behind the others'.
     held.queue([held_line(7, "b"), held_line(8, "a")])
     assert [h.row.id for h in held.queued][-2:] == [7, 8]
+
+
+class ClaimTimes(RecordingStore):
+    """The simulation's store, recording when each batch's lines were first claimed."""
+
+    def __init__(self, clock: VirtualClock, arrivals: list[Arrival]) -> None:
+        super().__init__(clock, arrivals)
+        self.first_claim: dict[str, float] = {}
+
+    def claim(self, *args: Any, **kwargs: Any) -> list[ClaimedRequest]:
+        return self._note(super().claim(*args, **kwargs))
+
+    def claim_shared(self, *args: Any, **kwargs: Any) -> SharedClaim:
+        claimed = super().claim_shared(*args, **kwargs)
+        self._note(claimed.rows)
+        return claimed
+
+    def _note(self, rows: list[ClaimedRequest]) -> list[ClaimedRequest]:
+        for row in rows:
+            self.first_claim.setdefault(row.batch_id, self.clock.time())
+        return rows
+
+
+def test_a_full_queue_still_takes_a_new_batch_within_one_claim_cycle() -> None:
+    # Long replies of mixed lengths: slots free one by one while the queue stays above the
+    # refill mark, so no claim is due for many seconds after the small batch arrives.
+    big = [([1, i % 250 + 1, 7], 200 + (i * 37) % 800) for i in range(1500)]
+    small = [([2, i + 1, 7], 4) for i in range(5)]
+    params = Params(max_num_seqs=64)
+    arrivals = [Arrival(0.0, big, tenant="big"), Arrival(3.0, small, tenant="small")]
+    store, _ = simulate(params, arrivals, ClaimTimes)
+    big_id, small_id = sorted(store.batches)
+    waited = store.first_claim[small_id] - store.batches[small_id].arrives_at
+    assert waited <= Settings().flush_seconds, waited
+    # It runs in the first free slots, well before the big batch's first half.
+    ends = completion(store, [small_id, big_id])
+    assert ends[small_id] < 0.1 * ends[big_id], ends
+    assert len(store.finished) == len(big) + len(small)

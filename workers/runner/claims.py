@@ -75,6 +75,8 @@ class ClaimPipeline:
         self.next_at = -math.inf
         #: Whether the last step finished every line it ran (``limit``).
         self.empties = False
+        #: Clock time of the next look for new batches while the queue is full (``_newcomers``).
+        self.look_at = -math.inf
 
     def limit(self, slots: int) -> int:
         """Lines to claim now for what is held (``claim_size``). While the engine finishes every
@@ -96,7 +98,9 @@ class ClaimPipeline:
         if at < self.next_at:
             return None
         limit = self.limit(slots)
-        if limit and not self.held and self.ahead is not None:
+        if not limit:
+            return self._newcomers(at, slots, engine, set(urgent))
+        if not self.held and self.ahead is not None:
             # Nothing held: the engine waits for this claim. Just its slots' worth, so it
             # starts at once; the rest comes in the next claim, made while it steps.
             limit = min(limit, slots)
@@ -166,13 +170,43 @@ class ClaimPipeline:
         if failure is not None:
             raise failure
 
+    def _newcomers(
+        self, at: float, slots: int, engine: Engine, urgent: set[str]
+    ) -> Claimed | None:
+        """With the queue full no claim is due, possibly for minutes (long replies): once a
+        ``flush_seconds`` this looks for batches that started since the last claim and claims
+        their fresh share (``FairShare.fresh``). ``HeldLines.queue`` puts them ahead of the
+        queued lines, so a small batch waits for a free slot, not for the queue to drain."""
+        if at < self.look_at or not slots or not self.fair.seen or self.scope() is not None:
+            return None
+        self.look_at = at + self.settings.flush_seconds
+        try:
+            waiting = self.store.waiting(self.model)
+            new = self.fair.newcomers(waiting, self.held.batch_ids())
+            if not new:
+                return None
+            fresh = FairShare.fresh(min(slots, self.settings.chunk_size), waiting)
+            lease_until = at + self.settings.lease_seconds
+            rows = self.store.claim(
+                self.model, fresh * len(new), self.owner, at, lease_until, new
+            )
+        except TRANSIENT_DB_ERRORS as exc:
+            log.warning("look for new batches failed, retrying: %s", exc)
+            return None
+        self.fair.settle(SharedClaim(rows, waiting))
+        claimed = self._prepare(rows, engine, urgent)
+        return claimed if rows else None
+
     def _claim_and_prepare(
         self, at: float, limit: int, engine: Engine, urgent: set[str]
     ) -> Claimed:
-        """Claim up to ``limit`` lines and prepare them (on the claim thread when it claims).
-        Lines already held are left out (``prepare_chunk``): chunks are queued one at a time on
-        the loop thread, so by then lines can only have left the held set."""
-        rows = self._claim(at, limit, urgent)
+        """Claim up to ``limit`` lines and prepare them (on the claim thread when it claims)."""
+        return self._prepare(self._claim(at, limit, urgent), engine, urgent)
+
+    def _prepare(self, rows: list[ClaimedRequest], engine: Engine, urgent: set[str]) -> Claimed:
+        """Prepare claimed ``rows``. Lines already held are left out (``prepare_chunk``): chunks
+        are queued one at a time on the loop thread, so by then lines can only have left the
+        held set."""
         if not rows:
             return Claimed(rows)
         try:

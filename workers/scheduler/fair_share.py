@@ -121,6 +121,24 @@ class FairShare:
             fresh=max(1, limit // (len(by_tenant) + 1)),
         )
 
+    @staticmethod
+    def fresh(limit: int, waiting: Sequence[WaitingBatch]) -> int:
+        """Lines of a claim of ``limit`` for each batch that just started: a share as if its
+        tenant were one more among those with lines left in ``waiting``."""
+        tenants = {b.tenant_id for b in waiting if b.left > 0}
+        return max(1, limit // (len(tenants) + 1))
+
+    def newcomers(self, waiting: Sequence[WaitingBatch], held: Collection[str]) -> list[str]:
+        """Batches of ``waiting`` with lines left that no settled claim has seen and none of
+        whose lines are ``held``, by id."""
+        with self._lock:
+            known = set(self._tenant_of)
+        return sorted(
+            b.batch_id
+            for b in waiting
+            if b.left > 0 and b.batch_id not in known and b.batch_id not in held
+        )
+
     def settle(self, claim: SharedClaim) -> None:
         """Charge each line ``claim`` took to its tenant and keep the waiting batches it saw. A
         tenant that starts waiting joins at the least virtual time of those still waiting; one

@@ -158,6 +158,7 @@ class MemoryStore:
         return SharedClaim(claimed, self.waiting(model))
 
     def waiting(self, model: str) -> list[WaitingBatch]:
+        self._ingest(self.clock.time())
         return [
             WaitingBatch(b.id, b.tenant, b.weight, b.requests - b.completed - b.failed,
                          int(b.expires_at))

@@ -36,12 +36,6 @@ def running_lines(url: str, batch_id: str) -> int:
         )
 
 
-@pytest.mark.xfail(
-    reason="fair share acts at claims only: when the runner has just claimed most of a big batch "
-    "(a chunk sized by the KV budget), its next claim, and the small batch's turn, can come "
-    "minutes later; the runner must look for new batches every claim cycle",
-    strict=False,
-)
 def test_a_small_batch_finishes_early_behind_a_big_one(
     live: ServiceProcesses, live_settings: Settings, live_sdk: OpenAI
 ) -> None:
