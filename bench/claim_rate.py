@@ -20,6 +20,7 @@ import psycopg
 from bench import harness
 from storage.db import session_scope
 from storage.models import Batch, Tenant
+from storage.repositories import intake as intake_repo
 from storage.repositories import requests as requests_repo
 from storage.repositories import shared_claims
 from workers.scheduler.fair_share import FairShare
@@ -47,7 +48,7 @@ def _fill(url: str, tenants: int, lines: int) -> None:
             )  # fmt: skip
             session.flush()
             rows = ((f"b{n}", i, f"c{i}", MODEL, now + 86_400 + n, LINE) for i in range(per))
-            requests_repo.bulk_insert(session, rows)
+            intake_repo.bulk_insert(session, rows)
 
 
 def _finish(url: str, ids: list[int]) -> None:

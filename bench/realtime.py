@@ -46,49 +46,63 @@ class RtRecord:
     error: str | None = None
 
 
-async def _stream_chat(
-    client: httpx.AsyncClient, name: str, question: str, max_tokens: int, record: RtRecord
+async def stream_timed(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], record: RtRecord
 ) -> None:
-    body = {
-        "model": name,
-        "messages": [{"role": "system", "content": SYSTEM_PROMPT},
-                     {"role": "user", "content": question}],
-        "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
-    }  # fmt: skip
+    """POST the streaming ``body`` to ``path`` and time it into ``record``: TTFT to the first
+    chunk with a token, TPOT over the rest; tokens from the usage chunk when the server sends
+    one (``stream_options.include_usage``), else one per chunk with a token. A transport or
+    HTTP error goes to ``record.error``."""
     sent = time.perf_counter()
     first = last = None
-    tokens = 0
+    chunks, usage = 0, None
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        async with client.stream("POST", path, json=body) as response:
             response.raise_for_status()
             async for raw in response.aiter_lines():
                 if not raw.startswith("data: ") or raw == "data: [DONE]":
                     continue
                 chunk = json.loads(raw[6:])
                 choices = chunk.get("choices") or []
-                if choices and choices[0].get("delta", {}).get("content"):
+                # A completion's chunk is a token; a chat's first chunk only names the role.
+                if choices and ("text" in choices[0] or choices[0].get("delta", {}).get("content")):
                     last = time.perf_counter()
                     first = first or last
-                    tokens += 1
+                    chunks += 1
+                if chunk.get("usage"):
+                    usage = int(chunk["usage"].get("completion_tokens") or 0)
     except (httpx.HTTPError, ValueError) as exc:
         record.error = repr(exc)
         return
     record.seconds = time.perf_counter() - sent
-    record.tokens = tokens
+    record.tokens = chunks if usage is None else usage
     if first is not None:
         record.ttft = first - sent
-        if tokens > 1 and last is not None:
-            record.tpot = (last - first) / (tokens - 1)
+        if record.tokens > 1 and last is not None:
+            record.tpot = (last - first) / (record.tokens - 1)
 
 
-class RealtimeLoad:
-    """Open-loop Poisson arrivals of streaming chat requests over ``phases`` (``(start, end,
-    rate per second, seed)`` in seconds after ``start()``; each phase draws from its own seed,
-    so the same phase brings the same requests in every leg), on an event loop in a thread of
-    its own."""
+async def stream_chat(
+    client: httpx.AsyncClient, name: str, question: str, max_tokens: int, record: RtRecord
+) -> None:
+    """A streaming chat request of ``question`` under the benchmark's system prompt, forced to
+    ``max_tokens`` tokens, timed into ``record`` (``stream_timed``)."""
+    body = {
+        "model": name,
+        "messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                     {"role": "user", "content": question}],
+        "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
+    }  # fmt: skip
+    await stream_timed(client, "/v1/chat/completions", body, record)
 
-    def __init__(self, base: str, name: str, phases: list[tuple[float, float, float, int]]) -> None:
-        self.base, self.name, self.phases = base, name, phases
+
+class LoadThread:
+    """Real-time requests sent at set times from an event loop in a thread of its own:
+    ``start(t0)`` (``time.perf_counter`` seconds) is the leg's zero; ``records`` holds one
+    ``RtRecord`` per request, in the order sent. Subclasses say what to send (``_run``)."""
+
+    def __init__(self, base: str, name: str) -> None:
+        self.base, self.name = base, name
         self.records: list[RtRecord] = []
         self.t0 = 0.0
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
@@ -101,6 +115,28 @@ class RealtimeLoad:
         self._thread.join(timeout)
 
     async def _run(self) -> None:
+        raise NotImplementedError
+
+    async def _arrive(self, at: float) -> RtRecord:
+        """Wait until ``at`` seconds after the leg's zero; the new request's record."""
+        delay = self.t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        record = RtRecord(at)
+        self.records.append(record)
+        return record
+
+
+class RealtimeLoad(LoadThread):
+    """Open-loop Poisson arrivals of streaming chat requests over ``phases`` (``(start, end,
+    rate per second, seed)`` in seconds after ``start()``; each phase draws from its own seed,
+    so the same phase brings the same requests in every leg)."""
+
+    def __init__(self, base: str, name: str, phases: list[tuple[float, float, float, int]]) -> None:
+        super().__init__(base, name)
+        self.phases = phases
+
+    async def _run(self) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(base_url=self.base, timeout=120, limits=limits) as client:
             tasks = []
@@ -111,17 +147,11 @@ class RealtimeLoad:
                     at += float(rng.exponential(1 / rate))
                     if at >= end:
                         break
-                    delay = self.t0 + at - time.perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    record = RtRecord(at)
-                    self.records.append(record)
+                    record = await self._arrive(at)
                     question = RT_QUESTIONS[len(self.records) % len(RT_QUESTIONS)]
                     reply = int(rng.integers(RT_REPLY[0], RT_REPLY[1] + 1))
                     tasks.append(
-                        asyncio.create_task(
-                            _stream_chat(client, self.name, question, reply, record)
-                        )
+                        asyncio.create_task(stream_chat(client, self.name, question, reply, record))
                     )
             end = self.phases[-1][1] if self.phases else 0.0
             await asyncio.sleep(max(0.0, self.t0 + end - time.perf_counter()))
@@ -141,7 +171,7 @@ def calibrate_server(base: str, name: str, sizes: tuple[int, ...]) -> dict[str, 
         records = [RtRecord(0.0) for _ in range(size)]
         async with httpx.AsyncClient(base_url=base, timeout=300) as client:
             await asyncio.gather(
-                *(_stream_chat(client, name, "Count from one to one hundred in words.", 48, r)
+                *(stream_chat(client, name, "Count from one to one hundred in words.", 48, r)
                   for r in records)
             )  # fmt: skip
         values = [r.tpot for r in records if r.tpot is not None]

@@ -14,9 +14,6 @@ from __future__ import annotations
 import asyncio
 import csv
 import datetime as dt
-import json
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +21,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.realtime import RtRecord
+from bench.realtime import LoadThread, RtRecord, stream_timed
 
 #: Fewest reply tokens a replayed request gets: with one token there is no TPOT.
 MIN_REPLY = 2
@@ -168,30 +165,7 @@ async def _stream_completion(
         "ignore_eos": True, "temperature": 0.0, "stream": True,
         "stream_options": {"include_usage": True},
     }  # fmt: skip
-    sent = time.perf_counter()
-    first = last = None
-    tokens = 0
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            response.raise_for_status()
-            async for raw in response.aiter_lines():
-                if not raw.startswith("data: ") or raw == "data: [DONE]":
-                    continue
-                chunk = json.loads(raw[6:])
-                if chunk.get("choices"):
-                    last = time.perf_counter()
-                    first = first or last
-                if chunk.get("usage"):
-                    tokens = int(chunk["usage"].get("completion_tokens") or 0)
-    except (httpx.HTTPError, ValueError) as exc:
-        record.error = repr(exc)
-        return
-    record.seconds = time.perf_counter() - sent
-    record.tokens = tokens
-    if first is not None:
-        record.ttft = first - sent
-        if tokens > 1 and last is not None:
-            record.tpot = (last - first) / (tokens - 1)
+    await stream_timed(client, "/v1/completions", body, record)
 
 
 def prompt_ids(seed: int, index: int, length: int) -> list[int]:
@@ -202,10 +176,10 @@ def prompt_ids(seed: int, index: int, length: int) -> list[int]:
     return [int(t) for t in rng.integers(1000, 40000, size=length)]
 
 
-class ReplayLoad:
-    """Streaming completions at a replay's arrival times (``start(t0)``: seconds after
-    ``t0``, shifted by ``offset``), each timed at the client, on an event loop in a thread of
-    its own; the same interface as ``bench.realtime.RealtimeLoad``."""
+class ReplayLoad(LoadThread):
+    """Streaming completions at a replay's arrival times (seconds after ``start``'s zero,
+    shifted by ``offset``), each timed at the client; the same interface as
+    ``bench.realtime.RealtimeLoad``."""
 
     def __init__(
         self,
@@ -216,18 +190,8 @@ class ReplayLoad:
         offset: float = 0.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.base, self.name, self.requests = base, name, requests
-        self.seed, self.offset, self.transport = seed, offset, transport
-        self.records: list[RtRecord] = []
-        self.t0 = 0.0
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    def start(self, t0: float) -> None:
-        self.t0 = t0
-        self._thread.start()
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
+        super().__init__(base, name)
+        self.requests, self.seed, self.offset, self.transport = requests, seed, offset, transport
 
     async def _run(self) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -236,12 +200,7 @@ class ReplayLoad:
         ) as client:
             tasks = []
             for i, r in enumerate(self.requests):
-                at = r.at + self.offset
-                delay = self.t0 + at - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                record = RtRecord(at)
-                self.records.append(record)
+                record = await self._arrive(r.at + self.offset)
                 ids = prompt_ids(self.seed, i, r.prompt)
                 tasks.append(
                     asyncio.create_task(_stream_completion(client, self.name, ids, r.reply, record))

@@ -26,8 +26,8 @@ from storage.db import session_scope
 from storage.models import Batch
 from storage.repositories import batches as batches_repo
 from storage.repositories import files as files_repo
+from storage.repositories import intake as intake_repo
 from storage.repositories import quotas as quotas_repo
-from storage.repositories import requests as requests_repo
 from workers import webhook_delivery
 
 log = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ def validate_into_rows(
     """
     outcome = Outcome()
     checker = _Checker(batch.endpoint, set(settings.models), settings, batch.model)
-    requests_repo.bulk_insert(
+    intake_repo.bulk_insert(
         session, _valid_rows(blobs, settings, batch, blob_key, checker, outcome)
     )
     if outcome.total == 0 and not outcome.errors:
@@ -288,7 +288,7 @@ def _valid_rows(
     checker: _Checker,
     outcome: Outcome,
 ) -> Iterator[tuple[str, int, str, str, int, str]]:
-    """The request rows of the file's lines (``requests_repo.INTAKE_COLUMNS`` order), recording
+    """The request rows of the file's lines (``intake_repo.INTAKE_COLUMNS`` order), recording
     problems and the request count in ``outcome``; yields nothing once a problem is found."""
     batch_id, deadline = batch.id, batch.expires_at
     max_errors, max_requests = settings.max_validation_errors, checker.max_requests

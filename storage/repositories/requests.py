@@ -1,4 +1,5 @@
-"""Request lines: bulk intake, claims with leases, results, and streaming reads for the files.
+"""Request lines: claims with leases, results, and streaming reads for the files (their intake
+is ``storage.repositories.intake``).
 
 Claims use ``SELECT … FOR UPDATE SKIP LOCKED`` on PostgreSQL so several workers take disjoint
 chunks without waiting on each other; a claim is a lease (owner, expiry) that a heartbeat renews
@@ -11,29 +12,15 @@ import math
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
-from itertools import islice
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, bindparam, insert, or_, select, text, update
+from sqlalchemy import CursorResult, bindparam, or_, select, update
 from sqlalchemy.orm import Session
 
 from offpeak.statuses import BatchStatus, LineStatus
 from storage.db import driver_connection, is_postgres
 from storage.models import Batch, RequestLine
 from storage.repositories import batches as batches_repo
-
-#: Columns written at intake, in COPY order.
-INTAKE_COLUMNS = ("batch_id", "line", "custom_id", "model", "deadline", "line_json")
-#: Rows per ``executemany`` outside PostgreSQL.
-INSERT_CHUNK = 5000
-#: The other columns' values at intake.
-_INTAKE_DEFAULTS = {
-    "status": LineStatus.PENDING,
-    "prompt_tokens": 0,
-    "cached_tokens": 0,
-    "completion_tokens": 0,
-    "attempts": 0,
-}
 
 
 @dataclass(frozen=True)
@@ -70,49 +57,6 @@ class ClaimedRequest:
     custom_id: str
     line_json: str
     attempts: int
-
-
-def bulk_insert(session: Session, rows: Iterable[tuple[str, int, str, str, int, str]]) -> int:
-    """Insert request rows (tuples in ``INTAKE_COLUMNS`` order); returns how many.
-
-    PostgreSQL: one ``COPY`` that consumes ``rows`` as they come, so a generator that validates
-    lines while the server stores the previous ones overlaps the two (one round trip, nothing held
-    in memory). Long ``line_json`` values are TOAST-compressed with lz4 when the server has it
-    (about 40% less server CPU than the default pglz on 2 kB lines; reads are unchanged).
-    Elsewhere: multi-row ``executemany`` in pieces of ``INSERT_CHUNK`` rows.
-    """
-    if is_postgres(session):
-        return _copy_rows(session, rows)
-    count = 0
-    iterator = iter(rows)
-    while piece := list(islice(iterator, INSERT_CHUNK)):
-        session.execute(insert(RequestLine), [_intake_values(row) for row in piece])
-        count += len(piece)
-    return count
-
-
-def _intake_values(row: tuple[str, int, str, str, int, str]) -> dict[str, Any]:
-    return dict(zip(INTAKE_COLUMNS, row, strict=True)) | _INTAKE_DEFAULTS
-
-
-def _copy_rows(session: Session, rows: Iterable[tuple[str, int, str, str, int, str]]) -> int:
-    connection = session.connection()
-    lz4 = connection.execute(
-        text(
-            "SELECT 'lz4' = ANY(enumvals) FROM pg_settings WHERE name = 'default_toast_compression'"
-        )
-    ).scalar()
-    if lz4:
-        connection.execute(text("SET LOCAL default_toast_compression = lz4"))
-    raw = driver_connection(session)
-    columns = ", ".join((*INTAKE_COLUMNS, *_INTAKE_DEFAULTS))
-    defaults = tuple(_INTAKE_DEFAULTS.values())
-    count = 0
-    with raw.cursor() as cursor, cursor.copy(f"COPY requests ({columns}) FROM STDIN") as copy:
-        for row in rows:
-            copy.write_row(row + defaults)
-            count += 1
-    return count
 
 
 def claim(
@@ -284,13 +228,20 @@ def _take_statement(lapsed: bool) -> Any:
     )
     if lapsed:
         picked = picked.where(RequestLine.lease_expires_at < bindparam("p_lapsed_before"))
+    return lease_statement(picked, bindparam("p_owner"), bindparam("p_lease_until"))
+
+
+def lease_statement(picked: Any, owner: Any, lease_until: Any) -> Any:
+    """The ``UPDATE`` that leases the rows ``picked`` (a select of ids) to ``owner`` until
+    ``lease_until`` (values or bound parameters), counting an attempt, and returns each row's
+    ``ClaimedRequest`` fields."""
     return (
         update(RequestLine)
         .where(RequestLine.id.in_(picked))
         .values(
             status=LineStatus.RUNNING,
-            lease_owner=bindparam("p_owner"),
-            lease_expires_at=bindparam("p_lease_until"),
+            lease_owner=owner,
+            lease_expires_at=lease_until,
             attempts=RequestLine.attempts + 1,
         )
         .returning(

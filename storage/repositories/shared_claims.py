@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from sqlalchemy import ColumnElement, select, update
+from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session
 
 from offpeak.statuses import BatchStatus, LineStatus
 from storage.db import driver_connection, is_postgres
 from storage.models import Batch, RequestLine, Tenant
-from storage.repositories.requests import ClaimedRequest
+from storage.repositories.requests import ClaimedRequest, lease_statement
 
 
 @dataclass(frozen=True)
@@ -245,22 +245,5 @@ def _lease(
     picked = select(RequestLine.id).where(*where).limit(limit)
     if edf:
         picked = picked.order_by(RequestLine.deadline, RequestLine.id)
-    statement = (
-        update(RequestLine)
-        .where(RequestLine.id.in_(picked))
-        .values(
-            status=LineStatus.RUNNING,
-            lease_owner=params["owner"],
-            lease_expires_at=params["lease_until"],
-            attempts=RequestLine.attempts + 1,
-        )
-        .returning(
-            RequestLine.id,
-            RequestLine.batch_id,
-            RequestLine.custom_id,
-            RequestLine.line_json,
-            RequestLine.attempts,
-        )
-        .execution_options(synchronize_session=False)
-    )
+    statement = lease_statement(picked, params["owner"], params["lease_until"])
     return [ClaimedRequest(*row) for row in session.connection().execute(statement).all()]

@@ -4,16 +4,15 @@ its real processes, PostgreSQL and Redis, where the model's answers do not matte
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import pytest
 from openai import OpenAI
 
 from offpeak.cli.supervisor import ServiceProcesses
-from offpeak.settings import DEFAULT_MODEL, Settings
+from offpeak.settings import Settings
 from tests.support.database import fresh_database, new_key, settings_from
-from tests.support.processes import running
+from tests.support.processes import instant_stack_env, running
 from tests.support.servers import free_port
 
 
@@ -22,12 +21,7 @@ def instant_env(base_env: dict[str, str], run_id: str) -> Iterator[dict[str, str
     """The instant stack's environment: its own database and queue prefix, the default model's
     name served by the instant engine."""
     with fresh_database(f"offpeak_{run_id}_instant") as url:
-        yield {
-            **base_env,
-            "OFFPEAK_DATABASE_URL": url,
-            "OFFPEAK_QUEUE_PREFIX": f"{run_id}-instant",
-            "OFFPEAK_MODELS": json.dumps({DEFAULT_MODEL: {"engine": "instant"}}),
-        }
+        yield instant_stack_env(base_env, url, f"{run_id}-instant")
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ from storage.blobs import BlobStore, get_blob_store
 from storage.db import get_sessionmaker, session_scope
 from storage.models import Batch, RequestLine
 from storage.repositories import batches as batches_repo
-from storage.repositories import requests as requests_repo
+from storage.repositories import intake as intake_repo
 from storage.repositories import scheduler as scheduler_repo
 from tests.support.database import fresh_database, new_key
 
@@ -453,7 +453,7 @@ def test_cancel_does_not_wait_for_a_transaction_inserting_the_batch_rows(
             row = batches_repo.get_any(inserting, batch.id)
             assert row is not None
             line = LINE.decode().strip()
-            requests_repo.bulk_insert(
+            intake_repo.bulk_insert(
                 inserting, [(batch.id, 1, "a", "SmolLM2-135M-Instruct", row.expires_at, line)]
             )
             answers: list[Any] = []

@@ -12,7 +12,6 @@ variables, through a link the test can cut (``tests/support/object_store.py``).
 
 from __future__ import annotations
 
-import json
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,14 +22,14 @@ from openai import OpenAI
 from sqlalchemy import func, select
 
 from offpeak.cli.supervisor import ServiceProcesses
-from offpeak.settings import DEFAULT_MODEL, Settings
+from offpeak.settings import Settings
 from storage.blobs import PART_BYTES, BlobStore
 from storage.db import session_scope
 from storage.models import LedgerEntry, RequestLine
 from tests.support.batches import chat_line, check_ran_batch, submit, wait_for_end
 from tests.support.database import fresh_database, new_key, settings_from
 from tests.support.object_store import BUCKET, Link, S3Server, s3_env
-from tests.support.processes import wait_until
+from tests.support.processes import instant_stack_env, running, wait_until
 from tests.support.servers import free_port
 
 PREFIX = "blobs"
@@ -49,14 +48,8 @@ def stack_env(
 ) -> Iterator[dict[str, str]]:
     """The stack's environment: its own database, queue prefix and data dir, blobs on S3."""
     with fresh_database(f"offpeak_{run_id}_s3") as url:
-        yield {
-            **base_env,
-            **s3_env(link.endpoint, PREFIX),
-            "OFFPEAK_DATABASE_URL": url,
-            "OFFPEAK_DATA_DIR": str(data_dir / "s3-stack"),
-            "OFFPEAK_QUEUE_PREFIX": f"{run_id}-s3",
-            "OFFPEAK_MODELS": json.dumps({DEFAULT_MODEL: {"engine": "instant"}}),
-        }
+        more = {**s3_env(link.endpoint, PREFIX), "OFFPEAK_DATA_DIR": str(data_dir / "s3-stack")}
+        yield instant_stack_env(base_env, url, f"{run_id}-s3", **more)
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +61,9 @@ def s3_settings(stack_env: dict[str, str]) -> Settings:
 def stack(
     stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServiceProcesses]:
-    processes = ServiceProcesses(stack_env, free_port(), tmp_path_factory.mktemp("s3-logs"))
-    processes.start()
-    try:
-        processes.wait_http()
+    logs = tmp_path_factory.mktemp("s3-logs")
+    with running(ServiceProcesses(stack_env, free_port(), logs)) as processes:
         yield processes
-    finally:
-        processes.stop()
 
 
 @pytest.fixture()

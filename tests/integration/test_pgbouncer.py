@@ -5,7 +5,6 @@ line once, and the whole stack holds no more server connections than the pooler'
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,10 +14,10 @@ import pytest
 from openai import OpenAI
 
 from offpeak.cli.supervisor import ServiceProcesses
-from offpeak.settings import DEFAULT_MODEL
 from tests.support.batches import chat_line, check_ran_batch, submit, wait_for_end
 from tests.support.database import PG_ADMIN, fresh_database, new_key, settings_from
 from tests.support.pgbouncer import PgBouncer, pgbouncer
+from tests.support.processes import instant_stack_env, running
 from tests.support.servers import free_port
 
 POOL_SIZE = 6
@@ -38,27 +37,20 @@ def env(
     base_env: dict[str, str], run_id: str, bouncer: tuple[str, PgBouncer], data_dir: Path
 ) -> dict[str, str]:
     name, pooler = bouncer
-    return {
-        **base_env,
-        "OFFPEAK_DATABASE_URL": pooler.url(name),
+    more = {
         "OFFPEAK_DATABASE_POOL__PREPARED_STATEMENTS": "false",
         "OFFPEAK_DATA_DIR": str(data_dir / "bouncer-stack"),
-        "OFFPEAK_QUEUE_PREFIX": f"{run_id}-bouncer",
-        "OFFPEAK_MODELS": json.dumps({DEFAULT_MODEL: {"engine": "instant"}}),
     }
+    return instant_stack_env(base_env, pooler.url(name), f"{run_id}-bouncer", **more)
 
 
 @pytest.fixture(scope="module")
 def stack(
     env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServiceProcesses]:
-    processes = ServiceProcesses(env, free_port(), tmp_path_factory.mktemp("bouncer-logs"))
-    processes.start()
-    try:
-        processes.wait_http()
+    logs = tmp_path_factory.mktemp("bouncer-logs")
+    with running(ServiceProcesses(env, free_port(), logs)) as processes:
         yield processes
-    finally:
-        processes.stop()
 
 
 def _server_connections(database: str) -> int:

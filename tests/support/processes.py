@@ -1,10 +1,11 @@
 """Waiting on processes: a process tree as it is now, those of it still running, the processes
 of a session (each service process leads one, and its children stay in it), and a stack of
-service processes running for a block."""
+service processes on the instant engine, running for a block."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -84,3 +85,19 @@ def running(stack: ServiceProcesses) -> Iterator[ServiceProcesses]:
         yield stack
     finally:
         stack.stop()
+
+
+def instant_stack_env(
+    base_env: dict[str, str], database_url: str, prefix: str, **more: str
+) -> dict[str, str]:
+    """A stack's environment on ``base_env``: its own database and queue prefix, the default
+    model's name served by the instant engine, and the ``OFFPEAK_…`` settings in ``more``."""
+    from offpeak.settings import DEFAULT_MODEL
+
+    return {
+        **base_env,
+        "OFFPEAK_DATABASE_URL": database_url,
+        "OFFPEAK_QUEUE_PREFIX": prefix,
+        "OFFPEAK_MODELS": json.dumps({DEFAULT_MODEL: {"engine": "instant"}}),
+        **more,
+    }

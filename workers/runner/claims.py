@@ -170,9 +170,7 @@ class ClaimPipeline:
         if failure is not None:
             raise failure
 
-    def _newcomers(
-        self, at: float, slots: int, engine: Engine, urgent: set[str]
-    ) -> Claimed | None:
+    def _newcomers(self, at: float, slots: int, engine: Engine, urgent: set[str]) -> Claimed | None:
         """With the queue full no claim is due, possibly for minutes (long replies): once a
         ``flush_seconds`` this looks for batches that started since the last claim and claims
         their fresh share (``FairShare.fresh``). ``HeldLines.queue`` puts them ahead of the
@@ -187,9 +185,7 @@ class ClaimPipeline:
                 return None
             fresh = FairShare.fresh(min(slots, self.settings.chunk_size), waiting)
             lease_until = at + self.settings.lease_seconds
-            rows = self.store.claim(
-                self.model, fresh * len(new), self.owner, at, lease_until, new
-            )
+            rows = self.store.claim(self.model, fresh * len(new), self.owner, at, lease_until, new)
         except TRANSIENT_DB_ERRORS as exc:
             log.warning("look for new batches failed, retrying: %s", exc)
             return None

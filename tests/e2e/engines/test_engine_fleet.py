@@ -20,7 +20,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from bench.realtime import RtRecord, _stream_chat
+from bench.realtime import RtRecord, stream_chat
 from bench.servers import VllmServe, free_port
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import DEFAULT_MODEL, get_settings
@@ -87,7 +87,7 @@ class Streams:
     async def _client(self, client: httpx.AsyncClient) -> None:
         while not self._stop.is_set():
             record = RtRecord(0.0)
-            await _stream_chat(client, MODEL, "Tell me about rivers.", 48, record)
+            await stream_chat(client, MODEL, "Tell me about rivers.", 48, record)
             self.done += record.error is None
 
     async def _run(self) -> None:
