@@ -26,7 +26,7 @@ from bench.colocate import (
     lane_tpot_model,
     run_leg,
 )
-from bench.replay_stats import MIN_REQUESTS, add_bounds, leg_figures, verdict, windows
+from bench.replay_stats import MIN_REQUESTS, add_bounds, leg_figures, verdict, windows_by_requests
 from bench.slo import Slo
 from bench.trace import (
     Replay,
@@ -191,7 +191,7 @@ class _Chain:
 def _result(bench: Any, replay: Replay, legs: dict[str, Leg], lane: LaneSettings,
             window_count: int, seed: int) -> dict[str, Any]:  # fmt: skip
     shared = bench.shared
-    spans = windows(replay.duration, window_count)
+    spans = windows_by_requests([r.at for r in replay.requests], replay.duration, window_count)
     figures = {
         k: leg_figures(
             v.records, v.finished, spans if k != "d" else [(0.0, batch_alone_seconds(replay))], seed

@@ -1,6 +1,6 @@
 """Figures of a trace replay's legs: p95 TTFT and TPOT with bootstrap 95% intervals, batch
-tokens/s and harvest against the step model's bound, over the whole replay and per window, and
-the verdict (``met``) of leg (c) against the targets.
+tokens/s and harvest against the step model's bound, over the whole replay and per window (of
+equal request counts), and the verdict (``met``) of leg (c) against the targets.
 
 The interval is the percentile bootstrap (Efron & Tibshirani, "An Introduction to the
 Bootstrap", 1993, ch. 13): the p95 of ``resamples`` samples drawn with replacement, its 2.5th and
@@ -49,6 +49,25 @@ def windows(duration: float, count: int) -> list[tuple[float, float]]:
         raise ValueError("need a positive duration and at least one window")
     edges = np.linspace(0.0, duration, count + 1)
     return [(float(a), float(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+
+
+def windows_by_requests(
+    arrivals: Sequence[float], duration: float, count: int
+) -> list[tuple[float, float]]:
+    """``count`` windows over ``[0, duration)`` with as equal a number of ``arrivals`` (seconds)
+    each as they allow, each edge halfway between the arrivals it separates: a bursty replay's
+    quiet stretches and bursts are each judged on as many requests. Fewer windows when there are
+    fewer arrivals; the last one closed at the end."""
+    if count < 1 or duration <= 0:
+        raise ValueError("need a positive duration and at least one window")
+    at = sorted(arrivals)
+    count = max(1, min(count, len(at)))
+    edges = [0.0]
+    for k in range(1, count):
+        i = round(k * len(at) / count)
+        edges.append((at[i - 1] + at[i]) / 2)
+    edges.append(duration)
+    return [(a, b) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]
 
 
 def _inside(at: float, start: float, end: float, last: bool) -> bool:

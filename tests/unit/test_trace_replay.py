@@ -12,7 +12,14 @@ import pytest
 
 from bench.colocate_trace import plan
 from bench.realtime import RtRecord
-from bench.replay_stats import add_bounds, leg_figures, p95_interval, verdict, windows
+from bench.replay_stats import (
+    add_bounds,
+    leg_figures,
+    p95_interval,
+    verdict,
+    windows,
+    windows_by_requests,
+)
 from bench.slo import Slo
 from bench.trace import (
     MIN_REPLY,
@@ -167,3 +174,15 @@ def test_gpu_projection_scales_the_bound_by_the_measured_harvest() -> None:
     )
     assert high["bound_batch_tokens_per_s"] > low["bound_batch_tokens_per_s"] > 0
     assert high["projected_batch_tokens_per_s"] is None
+
+
+def test_windows_by_requests_split_a_burst_and_a_quiet_stretch_evenly() -> None:
+    # Four requests spread over 80 s, then eight in a 2 s burst.
+    arrivals = [0.0, 20.0, 40.0, 60.0] + [100 + 0.25 * i for i in range(8)]
+    spans = windows_by_requests(arrivals, 110.0, 3)
+    counts = [sum(a <= t < b for t in arrivals) for a, b in spans]
+    assert counts == [4, 4, 4]
+    assert spans[0][0] == 0.0 and spans[-1][1] == 110.0
+    assert spans[0][1] == pytest.approx(80.0)  # halfway between 60 and 100
+    # Never more windows than requests.
+    assert len(windows_by_requests([1.0, 2.0], 3.0, 10)) == 2
