@@ -2,7 +2,8 @@
 filling one replica, the engine worker's lanes send the batch to the other.
 
 Replica A runs more real-time streams than its ``--max-num-seqs`` (some always waiting), so its
-lane has no free slot and real-time requests waiting; replica B has none. The batch, through the
+lane has no free slot and real-time requests waiting; replica B (the folder's shared server) has
+none. The batch, through the
 live API and an engine worker whose model names both replicas, must finish with every
 ``custom_id`` once and nothing billed twice, most of its lines answered by B.
 """
@@ -23,7 +24,7 @@ from openai import OpenAI
 from bench.realtime import RtRecord, stream_chat
 from bench.servers import VllmServe, free_port
 from offpeak.cli.supervisor import ServiceProcesses
-from offpeak.settings import DEFAULT_MODEL, get_settings
+from offpeak.settings import DEFAULT_MODEL
 from tests.support.batches import (
     chat_line,
     check_billed_once,
@@ -32,7 +33,6 @@ from tests.support.batches import (
     wait_for_end,
 )
 from tests.support.database import fresh_database, new_key, settings_from
-from workers.model_store import ensure_model
 
 pytestmark = pytest.mark.engine
 log = logging.getLogger(__name__)
@@ -44,26 +44,22 @@ LINES = 40
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServe, VllmServe]]:
-    settings = get_settings()
-    folder = ensure_model(MODEL, settings.models[MODEL], settings.model_cache_dir)
-    logs = tmp_path_factory.mktemp("fleet")
-    pair = tuple(
-        # 1 GiB of KV cache is room for SEQS sequences many times over: two replicas start
-        # beside the live stack's engines without running the machine out of memory.
-        VllmServe(folder, MODEL, free_port(), logs / f"{name}.log", ("--max-num-seqs", str(SEQS)),
-                  dies_with_this_process=True, kv_cache_gib=1)
-        for name in ("a", "b")
-    )  # fmt: skip
+def replicas(
+    folder: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[tuple[VllmServe, VllmServe]]:
+    """Replica A, started here, and B, the folder's shared server, starting meanwhile."""
+    # 1 GiB of KV cache is room for SEQS sequences many times over: the replica starts beside
+    # the live stack's engines without running the machine out of memory.
+    log_path = tmp_path_factory.mktemp("fleet") / "a.log"
+    busy = VllmServe(folder, MODEL, free_port(), log_path, ("--max-num-seqs", str(SEQS)),
+                     dies_with_this_process=True, kv_cache_gib=1)  # fmt: skip
+    busy.start()
     try:
-        for server in pair:
-            server.start()
-        for server in pair:
-            log.warning("replica %s ready in %.0f s", server.url, server.wait_ready())
-        yield pair  # type: ignore[misc]
+        free: VllmServe = request.getfixturevalue("server")
+        log.warning("replica %s ready in %.0f s", busy.url, busy.wait_ready())
+        yield busy, free
     finally:
-        for server in pair:
-            server.stop()
+        busy.stop()
 
 
 def successes(server: VllmServe) -> float:

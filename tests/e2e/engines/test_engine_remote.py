@@ -29,7 +29,7 @@ from sqlalchemy import func, select
 from bench.servers import VllmServe, free_port
 from offpeak.billing import TokenWeights
 from offpeak.cli.supervisor import ServiceProcesses
-from offpeak.settings import DEFAULT_MODEL, ModelConfig, Settings, get_settings
+from offpeak.settings import DEFAULT_MODEL, ModelConfig, Settings
 from storage.db import session_scope
 from storage.models import EngineChunk, RequestLine
 from storage.repositories import billing as billing_repo
@@ -48,7 +48,6 @@ from tests.support.engines import chat, one, request, run
 from tests.support.processes import running
 from workers.engine.remote import RemoteEngine
 from workers.engine.remote_tokenizer import ServerTokenizer, local_tokenizer
-from workers.model_store import ensure_model
 from workers.runner.server_share import ServerShare, server_weight, weighted_tokens
 from workers.vllm_metrics import ServerTokens, parse_server_tokens
 
@@ -56,26 +55,6 @@ pytestmark = pytest.mark.engine
 log = logging.getLogger(__name__)
 MODEL = DEFAULT_MODEL
 WEIGHTS = TokenWeights(prefill=0.25, cached=0.0, decode=1.0)
-
-
-@pytest.fixture(scope="module")
-def folder() -> Path:
-    settings = get_settings()
-    return ensure_model(MODEL, settings.models[MODEL], settings.model_cache_dir)
-
-
-@pytest.fixture(scope="module")
-def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServe]:
-    started = time.monotonic()
-    log_path = tmp_path_factory.mktemp("vllm") / "serve.log"
-    server = VllmServe(folder, MODEL, free_port(), log_path, dies_with_this_process=True)
-    server.start()
-    try:
-        server.wait_ready()
-        log.warning("vllm serve ready in %.1f s", time.monotonic() - started)
-        yield server
-    finally:
-        server.stop()
 
 
 def remote_config(url: str, **changes: Any) -> ModelConfig:
