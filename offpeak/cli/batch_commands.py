@@ -99,7 +99,7 @@ def estimate_command(
     except ValueError as exc:
         errors.print(f"cannot estimate {file}: {exc}")
         raise typer.Exit(exit_codes.ERROR) from None
-    print_estimate(estimate, console)
+    print_estimate(estimate, console, not_requests=len(unusable))
     if unusable:
         errors.print(
             f"warning: {not_request_lines(unusable)} of this model and endpoint "
@@ -117,12 +117,16 @@ def not_request_lines(numbers: list[int], shown: int = 10) -> str:
     return f"{len(numbers):,} lines are not request lines: {listed}{more}"
 
 
-def print_estimate(estimate: dict, console: Console) -> None:  # type: ignore[type-arg]
-    """An ``estimate`` (``workers.estimate.Estimate.as_json``) as a small table."""
+def print_estimate(estimate: dict, console: Console, not_requests: int = 0) -> None:  # type: ignore[type-arg]
+    """An ``estimate`` (``workers.estimate.Estimate.as_json``) as a small table; a file's lines
+    that are not request lines (not JSON, another model or url) count beside the invalid ones."""
     table = Table(title="estimate", show_header=False)
+    left_out = f"{estimate['invalid_requests']:,} invalid"
+    if not_requests:
+        left_out += f", {not_requests:,} not request lines"
     for key, value in (
         ("model", estimate.get("model")),
-        ("requests", f"{estimate['requests']:,} ({estimate['invalid_requests']:,} invalid)"),
+        ("requests", f"{estimate['requests']:,} ({left_out})"),
         ("prompt tokens", f"{estimate['prompt_tokens']:,}"),
         ("completion tokens", f"0 … {estimate['max_completion_tokens']:,} (every max_tokens)"),
         ("price", f"{format_usd(estimate['price_low'])} … {format_usd(estimate['price_high'])}"),
