@@ -108,6 +108,6 @@ def test_offpeak_estimate_counts_with_the_models_own_tokenizer(tmp_path: Path) -
     # Rounded as the estimate rounds amounts (to the ledger's 10 digits) before printing.
     assert f"{format_usd(round(low, 10))} … {format_usd(round(high, 10))}" in result.output
     assert "line 4 is not a request line" in result.output
-    assert "3 (0 invalid, 1 not request lines)" in result.output
+    assert "3 (0 invalid, 1 not a request line)" in result.output
     bad = CliRunner().invoke(cli.app, ["estimate", str(write(tmp_path, jsonl(line("a", "x"))))])
     assert bad.exit_code == exit_codes.ERROR and "not configured here" in bad.output
