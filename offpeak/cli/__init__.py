@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -253,13 +255,33 @@ def up(
     if migrated.returncode != 0:
         raise typer.Exit(migrated.returncode)
     children = up_children(engines, models, port, host)
-    shown_port = port or settings.api_port
+    base = f"http://{host or settings.api_host}:{port or settings.api_port}"
     console.print(
-        f"Offpeak up: API on http://{host or settings.api_host}:{shown_port}/v1 · "
-        f"{', '.join(c.name for c in children)} · logs in {folder} · Ctrl-C stops everything",
+        f"Offpeak up: starting {', '.join(c.name for c in children)} · logs in {folder} · "
+        "Ctrl-C stops everything",
         soft_wrap=True,
     )
+    threading.Thread(target=_say_when_listening, args=(base,), daemon=True).start()
     raise typer.Exit(Supervisor(children, host_engines(engines, models), folder).run())
+
+
+def _say_when_listening(base: str, patience: float = 120.0) -> None:
+    """Print the API's address once its ``/healthz`` answers (``offpeak up``), so the address is
+    never shown before a client can use it; after ``patience`` seconds, where its log is."""
+    import httpx
+
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{base}/healthz", timeout=2.0)
+        except httpx.HTTPError:
+            time.sleep(0.5)
+            continue
+        console.print(f"Offpeak up: API on {base}/v1", soft_wrap=True)
+        return
+    console.print(
+        f"Offpeak up: the API is not answering at {base} yet; see its log", soft_wrap=True
+    )
 
 
 def _base_url() -> str:

@@ -67,6 +67,10 @@ def up(tmp_path: Path) -> Iterator[OffpeakUp]:
 def test_up_restarts_a_killed_worker_and_stops_everything_on_ctrl_c(up: OffpeakUp) -> None:
     client = OpenAI(base_url=f"{up.base_url}/v1", api_key=KEY, max_retries=2)
     run_small_batch(client, up)
+    # The address is shown once the API answers, not when its process starts.
+    log = up.tail("up", 10_000)
+    assert f"Offpeak up: API on {up.base_url}/v1" in log, log
+    assert log.index("Offpeak up: starting") < log.index("Offpeak up: API on"), log
 
     victim = up.procs["control"]
     os.kill(victim, signal.SIGKILL)
