@@ -80,7 +80,7 @@ def plan(
 def run(
     trace_path: Path,
     *,
-    requests: int = 210,
+    requests: int = 250,
     start_s: float = 0.0,
     time_scale: float | None = None,
     token_scale: float = TOKEN_SCALE,

@@ -281,7 +281,7 @@ def colocate(
             "real-time load instead of Poisson phases."
         ),
     ] = None,
-    requests: Annotated[int, typer.Option(help="Trace requests replayed per leg.")] = 210,
+    requests: Annotated[int, typer.Option(help="Trace requests replayed per leg.")] = 250,
     trace_start: Annotated[float, typer.Option(help="Trace seconds skipped.")] = 0.0,
     time_scale: Annotated[
         float | None,
