@@ -279,9 +279,7 @@ def _say_when_listening(base: str, patience: float = 120.0) -> None:
             continue
         console.print(f"Offpeak up: API on {base}/v1", soft_wrap=True)
         return
-    console.print(
-        f"Offpeak up: the API is not answering at {base} yet; see its log", soft_wrap=True
-    )
+    console.print(f"Offpeak up: no answer at {base} yet; see the API's log", soft_wrap=True)
 
 
 def _base_url() -> str:

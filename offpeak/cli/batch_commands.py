@@ -123,11 +123,8 @@ def print_estimate(estimate: dict, console: Console, not_requests: int = 0) -> N
     table = Table(title="estimate", show_header=False)
     left_out = f"{estimate['invalid_requests']:,} invalid"
     if not_requests:
-        left_out += (
-            ", 1 not a request line"
-            if not_requests == 1
-            else (f", {not_requests:,} not request lines")
-        )
+        noun = "not a request line" if not_requests == 1 else "not request lines"
+        left_out += f", {not_requests:,} {noun}"
     for key, value in (
         ("model", estimate.get("model")),
         ("requests", f"{estimate['requests']:,} ({left_out})"),

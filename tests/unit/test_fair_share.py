@@ -5,8 +5,10 @@ simulation's engine and store."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Any
 
+from sqlalchemy.exc import OperationalError
 from typer.testing import CliRunner
 
 from bench.tenants import Params, RecordingStore, completion, simulate
@@ -134,3 +136,33 @@ def test_a_full_queue_still_takes_a_new_batch_within_one_claim_cycle() -> None:
     ends = completion(store, [small_id, big_id])
     assert ends[small_id] < 0.1 * ends[big_id], ends
     assert len(store.finished) == len(big) + len(small)
+
+
+class FlakyWaiting(ClaimTimes):
+    """``ClaimTimes`` whose look at the waiting batches fails as a database outage would, the
+    first ``failures`` times once the small batch has arrived."""
+
+    def __init__(self, clock: VirtualClock, arrivals: list[Arrival], failures: int = 3) -> None:
+        super().__init__(clock, arrivals)
+        self.failures = failures
+
+    def waiting(self, model: str) -> list[WaitingBatch]:
+        found = super().waiting(model)
+        if len(self.batches) > 1 and self.failures:
+            self.failures -= 1
+            raise OperationalError("SELECT", {}, Exception("server closed the connection"))
+        return found
+
+
+def test_a_failed_look_for_new_batches_loses_nothing_and_runs_nothing_twice() -> None:
+    big = [([1, i % 250 + 1, 7], 200 + (i * 37) % 800) for i in range(600)]
+    small = [([2, i + 1, 7], 4) for i in range(5)]
+    arrivals = [Arrival(0.0, big, tenant="big"), Arrival(3.0, small, tenant="small")]
+    store, _ = simulate(Params(max_num_seqs=64), arrivals, FlakyWaiting)
+    assert store.failures == 0, "the look never failed"
+    # Every line finished exactly once, and the small batch was still taken early.
+    finished = Counter(batch_id for batch_id, _, _ in store.finished)
+    assert sorted(finished.values()) == [len(small), len(big)]
+    assert all(row.status == "succeeded" for row in store.rows.values())
+    big_id, small_id = sorted(store.batches)
+    assert store.first_claim[small_id] - store.batches[small_id].arrives_at <= 5.0

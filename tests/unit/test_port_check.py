@@ -3,8 +3,10 @@ starts nothing."""
 
 from __future__ import annotations
 
+import http.server
 import os
 import socket
+import threading
 
 import pytest
 from typer.testing import CliRunner
@@ -64,3 +66,33 @@ def test_offpeak_up_on_a_taken_port_starts_nothing(taken_port: int, monkeypatch)
     assert f"port {taken_port}" in result.output and f"pid {os.getpid()}" in result.output
     assert "Offpeak up:" not in result.output
     assert started == []
+
+
+def test_up_shows_the_address_only_once_the_api_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from offpeak import cli
+
+    shown: list[str] = []
+    monkeypatch.setattr(cli.console, "print", lambda text, **_: shown.append(str(text)))
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    cli._say_when_listening(f"http://127.0.0.1:{closed}", patience=1.0)
+    assert shown == [f"Offpeak up: no answer at http://127.0.0.1:{closed} yet; see the API's log"]
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        shown.clear()
+        base = f"http://127.0.0.1:{server.server_port}"
+        cli._say_when_listening(base, patience=10.0)
+        assert shown == [f"Offpeak up: API on {base}/v1"]
+    finally:
+        server.shutdown()

@@ -190,8 +190,7 @@ class ClaimPipeline:
             log.warning("look for new batches failed, retrying: %s", exc)
             return None
         self.fair.settle(SharedClaim(rows, waiting))
-        claimed = self._prepare(rows, engine, urgent)
-        return claimed if rows else None
+        return self._prepare(rows, engine, urgent) if rows else None
 
     def _claim_and_prepare(
         self, at: float, limit: int, engine: Engine, urgent: set[str]
