@@ -220,6 +220,16 @@ class RequestLine(Base):
         UniqueConstraint("batch_id", "line", name="uq_requests_batch_line"),
         Index("ix_requests_batch_status", "batch_id", "status"),
         Index("ix_requests_claim", "model", "status", "deadline", "id"),
+        # A batch's pending lines in claim order, for the fair share's per-batch probe: only
+        # pending entries, so the probe never walks past the lines claimed before it.
+        Index(
+            "ix_requests_pending",
+            "batch_id",
+            "deadline",
+            "id",
+            postgresql_where=text("status = 'pending'"),
+            sqlite_where=text("status = 'pending'"),
+        ),
     )
 
 

@@ -5,8 +5,9 @@ filled earliest deadline first, so a claim is never short while lines are runnab
 A claim is one statement on PostgreSQL (``shared_claim_statement``), pipelined with the
 transaction's ``BEGIN``, its planner setting and ``WAITING_BATCHES`` (what the next claim's share
 is computed from): one round trip, as ``requests.claim``. Each batch's lines come from a probe of
-``ix_requests_batch_status`` (batch, status) rather than a walk of the model's claim index, so a
-small batch behind a large one costs what its own lines cost.
+``ix_requests_pending`` (a batch's pending lines in claim order) rather than a walk of the model's
+claim index, so a small batch behind a large one costs what its own lines cost, and a large
+batch's probe does not grow with the lines claimed before it.
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ class SharedClaim:
 
 
 #: The claim's planner settings, for its transaction only, in one statement: no sort (as
-#: ``requests.NO_SORTS``), and a batch's lines from a plain scan of ``ix_requests_batch_status``
-#: that stops at its quota. With one big batch's statistics the planner took every row for a
-#: match and read the table from its start, past every line claimed before; with several, a
-#: bitmap scan read every pending entry of each batch on every claim.
+#: ``requests.NO_SORTS``), and a batch's lines from a plain scan of ``ix_requests_pending`` that
+#: stops at its quota. With one big batch's statistics the planner took every row for a match and
+#: read the table from its start, past every line claimed before; with several, a bitmap scan
+#: read every pending entry of each batch on every claim.
 PLANNER_SETTINGS = (
     "SELECT set_config('enable_sort', 'off', true), set_config('enable_seqscan', 'off', true), "
     "set_config('enable_bitmapscan', 'off', true)"
@@ -82,12 +83,15 @@ WAITING_BATCHES = (
 
 def _per_batch(source: str, quota: str) -> str:
     """Up to ``quota`` pending lines of each batch ``source`` names (its column ``batch_id``),
-    batch after batch: one probe of (batch, status) each."""
+    batch after batch, each in claim order: one probe of ``ix_requests_pending`` each."""
+    # An order that only indexes keyed or filtered on status give without a sort: unordered,
+    # or by id, statistics from while every line was pending had the planner read the batch by
+    # (batch, line) or the primary key, past every line claimed before.
     return (
         f"SELECT q.id FROM {source} CROSS JOIN LATERAL ("
         "SELECT id FROM requests WHERE batch_id = s.batch_id AND status = 'pending' "
         "AND model = %(model)s AND deadline > %(after)s "
-        f"LIMIT {quota} FOR UPDATE SKIP LOCKED) AS q"
+        f"ORDER BY deadline, id LIMIT {quota} FOR UPDATE SKIP LOCKED) AS q"
     )
 
 
@@ -196,6 +200,10 @@ def waiting_batches(session: Session, model: str) -> list[WaitingBatch]:
     return [WaitingBatch(*row) for row in rows]
 
 
+#: Earliest deadline first, then file order.
+EDF = (RequestLine.deadline, RequestLine.id)
+
+
 def _claim_elsewhere(session: Session, params: dict[str, Any]) -> list[ClaimedRequest]:
     """``claim_shared`` outside PostgreSQL (one writer at a time): the same arms, one leasing
     ``UPDATE`` each, so a later arm finds the rows an earlier one took already running."""
@@ -211,7 +219,7 @@ def _claim_elsewhere(session: Session, params: dict[str, Any]) -> list[ClaimedRe
         RequestLine.lease_expires_at < params["at"],
     )
     limit = params["limit"]
-    rows = _lease(session, params, limit, (*live, *lapsed), edf=True)
+    rows = _lease(session, params, limit, (*live, *lapsed), order=EDF)
     per_batch = [(batch_id, limit) for batch_id in params["urgent"]]
     newcomers = session.scalars(
         running.where(Batch.model == params["model"], Batch.id.not_in(params["known"]))
@@ -224,9 +232,10 @@ def _claim_elsewhere(session: Session, params: dict[str, Any]) -> list[ClaimedRe
         if len(rows) >= limit:
             break
         take = min(quota, limit - len(rows))
-        rows += _lease(session, params, take, (*live, pending, RequestLine.batch_id == batch_id))
+        where = (*live, pending, RequestLine.batch_id == batch_id)
+        rows += _lease(session, params, take, where, order=EDF)
     if len(rows) < limit:
-        rows += _lease(session, params, limit - len(rows), (*live, pending), edf=True)
+        rows += _lease(session, params, limit - len(rows), (*live, pending), order=EDF)
     return rows
 
 
@@ -236,14 +245,12 @@ def _lease(
     limit: int,
     where: Sequence[ColumnElement[bool]],
     *,
-    edf: bool = False,
+    order: Sequence[ColumnElement[Any]],
 ) -> list[ClaimedRequest]:
-    """Lease up to ``limit`` rows matching ``where`` (earliest deadline first with ``edf``) in
-    one statement; returns them."""
+    """Lease up to ``limit`` rows matching ``where``, taken in ``order``, in one statement;
+    returns them."""
     if limit <= 0:
         return []
-    picked = select(RequestLine.id).where(*where).limit(limit)
-    if edf:
-        picked = picked.order_by(RequestLine.deadline, RequestLine.id)
+    picked = select(RequestLine.id).where(*where).order_by(*order).limit(limit)
     statement = lease_statement(picked, params["owner"], params["lease_until"])
     return [ClaimedRequest(*row) for row in session.connection().execute(statement).all()]

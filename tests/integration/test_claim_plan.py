@@ -1,9 +1,11 @@
 """The claim walks its index.
 
-``requests.claim`` is the hottest query of an engine worker. Its statements are captured as they
-run and replayed under ``EXPLAIN`` (after the claim's own planner settings) on a table of 30,000
-pending rows: each must be an index scan of ``ix_requests_claim`` with no sort (a sort means every
-pending row of the batch or model was read and ordered to return a few hundred). Twice: with the
+``requests.claim`` and the fair share's ``shared_claims.claim_shared`` are the hottest queries of
+an engine worker. Their statements are captured as they run and replayed under ``EXPLAIN`` (after
+the claim's own planner settings) on a table of 30,000 pending rows: each must be an index scan
+with no sort (a sort means every pending row of the batch or model was read and ordered to return
+a few hundred), and a batch's share must come from ``ix_requests_pending`` (any other index of the
+batch walks past every line claimed before). Twice: with the
 table analyzed after the rows went in, and with statistics from before them (``stale``: a large
 batch just copied in, autovacuum not yet come by), where PostgreSQL read a batch's every pending
 row by another index and sorted them on each claim (seen in ``offpeak bench control``).
@@ -26,6 +28,8 @@ from offpeak.statuses import BatchStatus, LineStatus
 from storage.db import get_engine, session_scope
 from storage.models import RequestLine
 from storage.repositories import requests as requests_repo
+from storage.repositories import shared_claims
+from storage.repositories.shared_claims import Shares
 from tests.support.database import fresh_database
 
 PENDING = 30_000
@@ -97,27 +101,59 @@ def url(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 def _captured_claim(url: str, **kwargs: Any) -> tuple[list[Any], list[tuple[str, Any]]]:
-    """The claim's answer and its statements as they ran: the locking statements, and the
-    planner settings the claim makes for them. Captured at psycopg's cursor (the claim runs
-    there, in a pipeline, not through SQLAlchemy's execution events)."""
+    """``requests.claim``'s answer and its statements as they ran (``_captured``)."""
+    return _captured(url, lambda session, now: requests_repo.claim(
+        session, model="m", owner="w1", lease_until=now + 120, at=now, **kwargs
+    ))  # fmt: skip
+
+
+def _captured(url: str, claim: Any) -> tuple[Any, list[tuple[str, Any]]]:
+    """``claim(session, now)``'s answer and its statements as they ran: the locking statements,
+    and the planner settings the claim makes for them. Captured at psycopg's cursor (the claim
+    runs there, in a pipeline, not through SQLAlchemy's execution events)."""
     statements: list[tuple[str, Any]] = []
     execute = psycopg.Cursor.execute
 
     def capture(cursor: Any, query: Any, params: Any = None, **options: Any) -> Any:
         statement = query if isinstance(query, str) else str(query)
-        if "FOR UPDATE" in statement or statement.startswith("SET LOCAL"):
+        if "FOR UPDATE" in statement or statement.startswith(SETTINGS):
             statements.append((statement, params))
         return execute(cursor, query, params, **options)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(psycopg.Cursor, "execute", capture)
         with session_scope(url) as session:
-            now = time.time()
-            claimed = requests_repo.claim(
-                session, model="m", owner="w1", lease_until=now + 120, at=now, **kwargs
-            )
+            claimed = claim(session, time.time())
             session.rollback()  # leave the rows pending for the next test
     return claimed, statements
+
+
+#: How the claims' planner settings start (``requests.NO_SORTS``,
+#: ``shared_claims.PLANNER_SETTINGS``).
+SETTINGS = ("SET LOCAL", "SELECT set_config")
+
+
+def _explained(url: str, statements: list[tuple[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """Each locking statement's plan nodes, under the planner settings captured before it."""
+    raw = get_engine(url).raw_connection()
+    try:
+        cursor = raw.cursor()  # in a transaction: the claim's settings hold until it ends
+        for statement, params in statements:
+            if statement.startswith(SETTINGS):
+                cursor.execute(statement, params)
+                continue
+            cursor.execute("EXPLAIN (FORMAT JSON) " + statement, params)
+            (plan,) = cursor.fetchone()
+            plan = plan if isinstance(plan, list) else json.loads(plan)
+            nodes = list(_plan_nodes(plan[0]["Plan"]))
+            kinds = [(n["Node Type"], n.get("Index Name")) for n in nodes]
+            assert "Sort" not in {k for k, _ in kinds}, f"the claim sorts: {kinds}\n{statement}"
+            assert all(
+                n.get("Relation Name") != "requests" for n in nodes if n["Node Type"] == "Seq Scan"
+            ), f"the claim reads the requests table whole: {kinds}"
+            yield nodes
+    finally:
+        raw.close()
 
 
 def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -130,25 +166,43 @@ def test_each_claim_statement_is_an_ordered_index_scan(url: str) -> None:
     claimed, statements = _captured_claim(url, limit=320)
     assert len(claimed) == 320
     assert statements, "the claim ran no locking SELECT"
-    raw = get_engine(url).raw_connection()
-    try:
-        cursor = raw.cursor()  # in a transaction: the claim's SET LOCAL holds until it ends
-        for statement, params in statements:
-            if statement.startswith("SET LOCAL"):
-                cursor.execute(statement, params)
-                continue
-            cursor.execute("EXPLAIN (FORMAT JSON) " + statement, params)
-            (plan,) = cursor.fetchone()
-            plan = plan if isinstance(plan, list) else json.loads(plan)
-            nodes = list(_plan_nodes(plan[0]["Plan"]))
-            kinds = [(n["Node Type"], n.get("Index Name"), n.get("Plan Rows")) for n in nodes]
-            assert "Sort" not in {k for k, *_ in kinds}, f"the claim sorts: {kinds}\n{statement}"
-            assert all(
-                n.get("Relation Name") != "requests" for n in nodes if n["Node Type"] == "Seq Scan"
-            ), f"the claim reads the requests table whole: {kinds}"
-            assert any(n.get("Index Name") == "ix_requests_claim" for n in nodes), kinds
-    finally:
-        raw.close()
+    for nodes in _explained(url, statements):
+        assert any(n.get("Index Name") == "ix_requests_claim" for n in nodes), nodes
+
+
+def test_a_batch_share_is_read_from_its_pending_lines(url: str) -> None:
+    """The fair share's claim takes a batch's share in claim order from ``ix_requests_pending``
+    (or the model's claim index, with a batch the whole table): with statistics from while
+    every line was pending (``analyzed``), the planner read the batch by (batch, line) or the
+    primary key instead, past every line claimed before, on every claim."""
+    shares = Shares(quotas=(("batch_run", 300),), known=("batch_run",))
+    claimed, statements = _captured(url, lambda session, now: shared_claims.claim_shared(
+        session, model="m", limit=300, owner="w1", lease_until=now + 120, at=now, shares=shares
+    ))  # fmt: skip
+    with session_scope(url) as session:
+        first = list(
+            session.scalars(
+                text(
+                    "SELECT id FROM requests WHERE batch_id = 'batch_run' "
+                    "ORDER BY deadline, id LIMIT 300"
+                )
+            )
+        )
+    assert [r.id for r in claimed.rows] == sorted(first)  # the batch's share, in claim order
+    for nodes in _explained(url, statements):
+        locked = {
+            child.get("Index Name")
+            for n in nodes
+            if n["Node Type"] == "LockRows"
+            for child in n.get("Plans", [])
+        }
+        assert locked <= ON_STATUS, f"a locking scan reads past claimed lines: {locked}"
+        assert "ix_requests_pending" in locked, locked
+
+
+#: The indexes that hold only pending lines in claim order, or key them by status first: a
+#: claim's scan of them never passes a line claimed before.
+ON_STATUS = {"ix_requests_pending", "ix_requests_claim"}
 
 
 def test_claims_earliest_deadline_first_and_only_running_batches(url: str) -> None:
