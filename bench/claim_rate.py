@@ -2,10 +2,11 @@
 (``storage.repositories.shared_claims``, with ``workers.scheduler.fair_share`` deciding) against
 earliest deadline first's (``requests.claim``, the claim before it), on the same rows: tenants'
 batches of 256-byte lines, claimed in chunks of the control-plane benchmark's mean claim (488
-lines) until none is left, each claim its own transaction. The legs alternate (each first in
-every other round), each from the same pending rows after a ``VACUUM ANALYZE``; the median of
-the rounds counts. Between claims (not timed) the claimed lines are marked succeeded and counted
-on their batch, as the write-back does, so the rows running stay few, as in a worker."""
+lines) until none is left, each claim its own transaction. The legs alternate, each first in
+as many rounds as it is second (the second leg of a round runs slower), each from the same
+pending rows after a ``VACUUM ANALYZE``; the median of the rounds counts. Between claims (not
+timed) the claimed lines are marked succeeded and counted on their batch, as the write-back
+does, so the rows running stay few, as in a worker."""
 
 from __future__ import annotations
 
@@ -99,9 +100,9 @@ def _fair(url: str, at: float) -> float:
         _finish(url, [r.id for r in claimed.rows])
 
 
-def measure(lines: int = 30_000, tenants: int = 3, rounds: int = 3) -> dict[str, Any]:
-    """Lines/s of each claim over ``rounds`` alternating rounds on a scratch database; the
-    medians and fair / EDF."""
+def measure(lines: int = 30_000, tenants: int = 3, rounds: int = 8) -> dict[str, Any]:
+    """Lines/s of each claim over ``rounds`` alternating rounds (an even number) on a scratch
+    database; the medians and fair / EDF."""
     import migrations
 
     rates: dict[str, list[float]] = {"fair": [], "edf": []}
@@ -111,7 +112,7 @@ def measure(lines: int = 30_000, tenants: int = 3, rounds: int = 3) -> dict[str,
         _fill(url, tenants, lines)
         conninfo = url.replace("postgresql+psycopg://", "postgresql://")
         for n in range(rounds):
-            # Each leg first in every other round: the second runs on a warmer cache.
+            # Each leg first in every other round: with ``rounds`` even, as often as second.
             for name in sorted(legs, reverse=bool(n % 2)):
                 leg = legs[name]
                 with psycopg.connect(conninfo, autocommit=True) as conn:

@@ -64,10 +64,11 @@ class SharedClaim:
 #: ``requests.NO_SORTS``), and a batch's lines from a plain scan of ``ix_requests_pending`` that
 #: stops at its quota. With one big batch's statistics the planner took every row for a match and
 #: read the table from its start, past every line claimed before; with several, a bitmap scan
-#: read every pending entry of each batch on every claim.
+#: read every pending entry of each batch on every claim. And a plan made for each claim's values.
 PLANNER_SETTINGS = (
     "SELECT set_config('enable_sort', 'off', true), set_config('enable_seqscan', 'off', true), "
-    "set_config('enable_bitmapscan', 'off', true)"
+    "set_config('enable_bitmapscan', 'off', true), "
+    "set_config('plan_cache_mode', 'force_custom_plan', true)"
 )
 
 #: The running batches' ids, once per statement (an InitPlan).
@@ -171,10 +172,12 @@ def claim_shared(
         raw = driver_connection(session)
         statement = shared_claim_statement(bool(shares.urgent), bool(shares.quotas))
         with raw.pipeline(), raw.cursor() as cursor, raw.cursor() as listing:
+            # Before the planner settings: its generic plan is as good as any and is reused.
+            listing.execute(WAITING_BATCHES, params, prepare=True)
             raw.execute(PLANNER_SETTINGS)
-            # A generic plan cannot see the lists or the limit.
-            cursor.execute(statement, params, prepare=False)
-            listing.execute(WAITING_BATCHES, params)
+            # Prepared (parsed once per connection where the pool allows it) but planned for
+            # each claim's values (force_custom_plan): a generic plan cannot see the lists.
+            cursor.execute(statement, params, prepare=True)
             rows = [ClaimedRequest(*row) for row in cursor.fetchall()]
             waiting = [WaitingBatch(*row) for row in listing.fetchall()]
     else:

@@ -17,7 +17,7 @@ lines are runnable (``storage.repositories.shared_claims``).
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -151,10 +151,10 @@ class FairShare:
             self._served = {t: self._served.get(t, joins_at) for t in tenants}
             self._waiting = list(claim.waiting)
             self._tenant_of = {b.batch_id: b for b in claim.waiting}
-            for row in claim.rows:
-                batch = self._tenant_of.get(row.batch_id)
+            for batch_id, lines in Counter(row.batch_id for row in claim.rows).items():
+                batch = self._tenant_of.get(batch_id)
                 if batch is not None:
-                    self._served[batch.tenant_id] += 1.0 / _weight(batch)
+                    self._served[batch.tenant_id] += lines / _weight(batch)
 
     def served(self) -> dict[str, float]:
         """Each waiting tenant's virtual time (lines claimed over its weight)."""
