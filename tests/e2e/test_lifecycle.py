@@ -1,6 +1,8 @@
 """Engine workers' lifecycle on the real SmolLM2: a worker exits at once on a second signal, and
 no child (vLLM's engine-core) outlives it, SIGKILL included. The workers run one after another
-on one batch of the module, and a last worker finishes the batch with every ``custom_id`` once.
+on one batch of the module, and a last worker (on the instant engine: what it shows is the
+stopped workers' lines coming back, not the engine) finishes the batch with every ``custom_id``
+once.
 (A clean stop on SIGTERM, on the default two engines: ``tests/e2e/test_stop.py``; ``offpeak up``
 and the control worker's beat, on the instant engine: ``tests/integration/test_lifecycle.py``.)
 """
@@ -195,11 +197,18 @@ def test_signal_during_engine_start_exits_with_no_engine_core(
 
 @pytest.mark.engine
 def test_batch_survives_every_stop_each_custom_id_once(
-    control_stack: ServiceProcesses, engine_settings: Settings, long_batch: LongBatch
+    control_stack: ServiceProcesses,
+    engine_env: dict[str, str],
+    long_batch: LongBatch,
 ) -> None:
     """After the stops above, one more engine worker finishes the batch: nothing failed, every
-    ``custom_id`` once (the lines held by the forced exits came back when their leases ran out)."""
-    start_engine(control_stack, "engine-last")
+    ``custom_id`` once (the lines held by the forced exits came back when their leases ran out).
+    It answers on the instant engine, the model's name the same."""
+    control_stack.env["OFFPEAK_MODELS"] = json.dumps({MODEL: {"engine": "instant"}})
+    try:
+        start_engine(control_stack, "engine-last")
+    finally:
+        control_stack.env["OFFPEAK_MODELS"] = engine_env["OFFPEAK_MODELS"]
     batch = wait_for_end(long_batch.client, long_batch.batch_id, control_stack, timeout=480)
     assert batch.status == "completed"
     output, errors = check_ran_batch(long_batch.client, batch, long_batch.custom_ids)
