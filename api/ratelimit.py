@@ -41,6 +41,10 @@ PERIOD_MS = 60_000
 MEMORY_TABLE_SIZE = 100_000
 #: Redis connections per API process and event loop.
 POOL_CONNECTIONS = 32
+#: Seconds a call to Redis may take before Redis counts as unreachable.
+SOCKET_TIMEOUT_SECONDS = 2.0
+#: Seconds a request may wait for one of the pool's connections.
+POOL_WAIT_SECONDS = 10.0
 #: Seconds between two warnings that Redis cannot be reached.
 WARN_EVERY_SECONDS = 60.0
 
@@ -156,9 +160,14 @@ class RedisLimiter:
             import redis.asyncio
 
             # Requests beyond the pool's connections wait for one rather than fail: a flood
-            # from one key queues here for microseconds each instead of passing unchecked.
+            # from one key queues here instead of passing unchecked. That wait is for this
+            # process's own calls ahead (each ends within the socket timeout), so it is longer:
+            # on a starved event loop a short one sent a flood to the per-process fallback.
             pool = redis.asyncio.BlockingConnectionPool.from_url(
-                self.url, max_connections=POOL_CONNECTIONS, timeout=2.0, socket_timeout=2.0
+                self.url,
+                max_connections=POOL_CONNECTIONS,
+                timeout=POOL_WAIT_SECONDS,
+                socket_timeout=SOCKET_TIMEOUT_SECONDS,
             )
             client = redis.asyncio.Redis(connection_pool=pool)
             entry = (loop, client, client.register_script(_GCRA))

@@ -14,6 +14,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from api.ratelimit import RedisLimiter
 from api.services import keys
 from api.services import tenants as tenants_service
 from offpeak.settings import Settings
@@ -156,3 +157,23 @@ async def _limited_upload_reads_its_body(app: Any, key: str) -> bool:
     await app(scope, receive, send)
     assert sent[0]["status"] == 429
     return read
+
+
+def test_a_flood_on_a_stalled_event_loop_stays_within_the_limit(settings: Settings) -> None:
+    """A flood from one key waits for the pool's connections, even while the event loop stalls
+    (a loaded host): waiting there is not Redis being unreachable, and the per-process
+    fallback, with a bucket of its own, would let the key's limit through a second time."""
+    limiter = RedisLimiter(settings.resolved_broker_url, f"{settings.queue_prefix}-stall")
+
+    async def flood() -> list[bool]:
+        async def stall() -> None:
+            await asyncio.sleep(0)
+            time.sleep(3)  # the loop does nothing else meanwhile: every waiter's clock runs
+
+        key = f"stall-{time.time_ns()}"
+        checks = [limiter.check(key, 2) for _ in range(200)]
+        verdicts = await asyncio.gather(stall(), *checks)
+        return [v.allowed for v in verdicts[1:]]
+
+    allowed = asyncio.run(flood())
+    assert allowed.count(True) == 2, allowed.count(True)
