@@ -168,9 +168,11 @@ def test_an_embeddings_batch_runs_through_the_runner_and_finalize(stand_in_setti
 def test_the_runner_holds_no_more_for_ten_times_the_inputs(stand_in_settings: Any) -> None:
     """Streaming all the way: results go back every ``flush_seconds`` and claims are chunks,
     so the runner's peak of Python memory while draining 10,000 embeddings lines stays within
-    4 MiB of 1,000 lines' (holding every 384-dimension result until the end would add ~2.7 KB
-    per line, ~24 MB). Allocations are traced (``tracemalloc``); the
-    model is a stand-in: the real engine's RSS is ``offpeak bench embeddings``'."""
+    8 MiB of 1,000 lines' (holding every 384-dimension result until the end would add ~2.7 KB
+    per line, ~24 MB). The margin is what the runner may hold whatever the batch's size, when
+    write-backs lag on a loaded host: ``MAX_PENDING_LINES`` finished lines and the writes in
+    flight, a few MB. Allocations are traced (``tracemalloc``); the model is a stand-in: the
+    real engine's RSS is ``offpeak bench embeddings``'."""
     import tracemalloc
 
     peaks = []
@@ -188,7 +190,7 @@ def test_the_runner_holds_no_more_for_ten_times_the_inputs(stand_in_settings: An
         finalize(stand_in_settings, batch_id)  # pages of 2,000 rows (iter_finished): bounded
     print(f"traced peak while draining: 1,000 lines {peaks[0] / 2**20:.1f} MiB, "
           f"10,000 lines {peaks[1] / 2**20:.1f} MiB")  # fmt: skip
-    assert peaks[1] < peaks[0] + 4 * 2**20
+    assert peaks[1] < peaks[0] + 8 * 2**20
 
 
 def test_the_runner_holds_a_bounded_number_of_unstored_results_while_writes_lag(
