@@ -33,6 +33,7 @@ from storage.db import session_scope
 from storage.models import EngineChunk, RequestLine, WorkerRecord
 from tests.support.batches import check_billed_once, check_ran_batch, line_statuses, wait_for_end
 from tests.support.database import new_key, settings_from
+from tests.support.processes import start_instant_engine_worker
 from tests.support.servers import PostgresServer, RedisServer, free_port
 
 pytestmark = pytest.mark.engine
@@ -245,8 +246,7 @@ def test_engine_worker_killed_mid_chunk(
     )
     stack.kill(victim, signal.SIGKILL)  # the whole process group: worker and engine core
     killed_at = time.time()
-    stack.env["OFFPEAK_MODELS"] = json.dumps({MODEL: {"engine": "instant"}})
-    stack.start_worker("engine", SURVIVOR)
+    start_instant_engine_worker(stack, SURVIVOR, MODEL)
 
     batch = wait_for_end(client, batch_id, stack, timeout=300)
     assert batch.status == "completed"

@@ -27,7 +27,13 @@ from storage.db import session_scope
 from storage.models import RequestLine
 from tests.support.batches import check_ran_batch, story_batch, wait_for_end
 from tests.support.database import fresh_database, new_key, settings_from
-from tests.support.processes import running, tree, wait_gone, wait_until
+from tests.support.processes import (
+    running,
+    start_instant_engine_worker,
+    tree,
+    wait_gone,
+    wait_until,
+)
 from tests.support.servers import free_port
 from workers.celery_worker import EXIT_FORCED
 
@@ -197,18 +203,12 @@ def test_signal_during_engine_start_exits_with_no_engine_core(
 
 @pytest.mark.engine
 def test_batch_survives_every_stop_each_custom_id_once(
-    control_stack: ServiceProcesses,
-    engine_env: dict[str, str],
-    long_batch: LongBatch,
+    control_stack: ServiceProcesses, long_batch: LongBatch
 ) -> None:
     """After the stops above, one more engine worker finishes the batch: nothing failed, every
     ``custom_id`` once (the lines held by the forced exits came back when their leases ran out).
     It answers on the instant engine, the model's name the same."""
-    control_stack.env["OFFPEAK_MODELS"] = json.dumps({MODEL: {"engine": "instant"}})
-    try:
-        start_engine(control_stack, "engine-last")
-    finally:
-        control_stack.env["OFFPEAK_MODELS"] = engine_env["OFFPEAK_MODELS"]
+    start_instant_engine_worker(control_stack, "engine-last", MODEL)
     batch = wait_for_end(long_batch.client, long_batch.batch_id, control_stack, timeout=480)
     assert batch.status == "completed"
     output, errors = check_ran_batch(long_batch.client, batch, long_batch.custom_ids)

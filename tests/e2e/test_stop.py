@@ -9,7 +9,6 @@ The tests marked ``engine`` run real vLLM engines (run them under
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing
 import os
 import re
@@ -36,7 +35,7 @@ from tests.support.batches import (
     wait_for_end,
 )
 from tests.support.database import fresh_database, new_key, settings_from
-from tests.support.processes import alive, running, tree, wait_until
+from tests.support.processes import alive, running, start_instant_engine_worker, tree, wait_until
 from tests.support.servers import free_port
 from tests.support.smollm2 import default_models_json
 
@@ -161,7 +160,7 @@ def chat_batch(client: OpenAI, ids: list[str]) -> str:
 
 @pytest.mark.engine
 def test_sigterm_ends_the_two_engine_worker_tree_within_its_stop_timeout(
-    stop_stack: ServiceProcesses, stop_env: dict[str, str], stop_settings: Settings
+    stop_stack: ServiceProcesses, stop_settings: Settings
 ) -> None:
     client = OpenAI(
         base_url=f"{stop_stack.base_url}/v1", api_key=new_key(stop_settings), max_retries=2
@@ -204,11 +203,7 @@ def test_sigterm_ends_the_two_engine_worker_tree_within_its_stop_timeout(
 
     # A restarted worker finishes the batch: every line once, nothing failed or billed twice.
     # On the instant engine, the model's name the same: what it shows is the lines handed back.
-    stop_stack.env["OFFPEAK_MODELS"] = json.dumps({MODEL: {"engine": "instant"}})
-    try:
-        start_engine(stop_stack, "engine-next", MODEL)
-    finally:
-        stop_stack.env["OFFPEAK_MODELS"] = stop_env["OFFPEAK_MODELS"]
+    start_instant_engine_worker(stop_stack, "engine-next", MODEL)
     batch = wait_for_end(client, batch_id, stop_stack, timeout=900)
     assert batch.status == "completed"
     output, errors = check_ran_batch(client, batch, ids)

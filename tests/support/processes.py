@@ -101,3 +101,14 @@ def instant_stack_env(
         "OFFPEAK_MODELS": json.dumps({DEFAULT_MODEL: {"engine": "instant"}}),
         **more,
     }
+
+
+def start_instant_engine_worker(stack: ServiceProcesses, name: str, model: str) -> None:
+    """Start engine worker ``name`` of ``stack`` on the instant engine, answering for ``model``
+    under its name: for a test whose subject is lines coming back, not the engine answering."""
+    models = stack.env["OFFPEAK_MODELS"]
+    stack.env["OFFPEAK_MODELS"] = json.dumps({model: {"engine": "instant"}})
+    try:
+        stack.start_worker("engine", name)
+    finally:
+        stack.env["OFFPEAK_MODELS"] = models
