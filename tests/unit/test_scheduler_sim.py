@@ -1,6 +1,6 @@
-"""The simulated day: the real runner on a virtual clock with the seed's step cost. Defaults must
-keep every batch inside its window and fill the valleys; constant high load runs only what is
-urgent; hysteresis keeps a noisy load from flapping the gate; the CLI prints the figures."""
+"""The simulated day: the real runner on a virtual clock with the seed's step cost. Constant high
+load runs only what is urgent; hysteresis keeps a noisy load from flapping the gate; the CLI
+prints the figures. (The default whole day: ``tests/integration/test_simulated_day.py``.)"""
 
 from __future__ import annotations
 
@@ -14,17 +14,6 @@ from offpeak.settings import SchedulerSettings
 from workers.sim.day import DayParams, simulate_day
 from workers.sim.load import LoadCurve, diurnal_curve
 from workers.sim.store import Arrival
-
-
-def test_default_day_keeps_every_window_and_fills_the_valleys() -> None:
-    report = simulate_day()
-    assert report.batches == 40 and report.inside_window_pct == 100.0
-    assert report.valley_used_pct >= 90.0
-    assert report.completion_tokens == report.offered_tokens  # every line ran, once
-    # Batch work stops within one load poll (1 s) of each crossing of the high-water mark.
-    assert report.busy_above_high_seconds < 5.0
-    assert report.urgent_batches == 0 and report.expired == 0
-    assert report.cached_tokens > 0  # each batch's lines share a system prompt
 
 
 def test_under_constant_high_load_only_urgent_batches_run_and_still_make_it() -> None:
