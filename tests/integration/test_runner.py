@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from typing import Any
 from unittest.mock import ANY
 
 import pytest
@@ -18,12 +19,15 @@ from storage.db import session_scope
 from storage.models import EngineChunk, EngineChunkBatch, File, RequestLine
 from storage.repositories import requests as requests_repo
 from storage.repositories.requests import ClaimedRequest, FinishedLine
+from storage.repositories.shared_claims import SharedClaim
 from tests.support.batches import check_billed_once, check_ran_batch, line, tenant_client, validate
 from tests.support.engines import SlowEngine
+from workers.engine.base import EngineRequest
 from workers.engine.instant import InstantEngine
 from workers.finalize import finalize
 from workers.runner import Runner
 from workers.runner.gc_tuning import YOUNG_THRESHOLD, tune_collector
+from workers.scheduler.store import DbStore
 
 MODEL = "runner-model"
 
@@ -130,6 +134,65 @@ def test_cancel_mid_chunk(settings: Settings, tenant_sdk: tuple[str, OpenAI]) ->
     output, errors = check_ran_batch(sdk, batch, ids)
     assert 10 <= len(output) < 200
     assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+
+
+class CancelDuringClaim(DbStore):
+    """Returns its second claim only after ``cancel()`` and once ``stopped()`` is true: a claim
+    in flight while the batch is cancelled and the runner stops the lines it holds."""
+
+    def __init__(self, url: str, cancel: Any, stopped: Any) -> None:
+        super().__init__(url)
+        self.cancel, self.stopped = cancel, stopped
+        self.claimed: list[set[int]] = []
+
+    def claim_shared(self, *args: Any) -> SharedClaim:
+        claimed = super().claim_shared(*args)
+        self.claimed.append({row.id for row in claimed.rows})
+        if len(self.claimed) == 2:
+            self.cancel()
+            deadline = time.monotonic() + 30
+            while not self.stopped():
+                assert time.monotonic() < deadline, "the runner never stopped the batch"
+                time.sleep(0.01)
+        return claimed
+
+
+class CountingEngine(SlowEngine):
+    def __init__(self, model_name: str, delay: float) -> None:
+        super().__init__(model_name, delay)
+        self.added = 0
+
+    def add(self, request: EngineRequest) -> None:
+        self.added += 1
+        super().add(request)
+
+
+def test_a_claim_in_flight_when_its_batch_is_cancelled_runs_none_of_its_lines(
+    settings: Settings, tenant_sdk: tuple[str, OpenAI]
+) -> None:
+    tenant, sdk = tenant_sdk
+    settings = settings.model_copy(update={"chunk_size": 20})
+    ids = [f"r{i}" for i in range(200)]
+    batch_id = make(settings, tenant, [line(i, model=MODEL) for i in ids])
+    # A line a step: the cancel lands while most of the first claim's lines are still held.
+    engine = CountingEngine(MODEL, delay=0.1)
+    store = CancelDuringClaim(
+        settings.resolved_database_url,
+        lambda: sdk.batches.cancel(batch_id),
+        lambda: not work.held.row_ids(),
+    )
+    work = Runner(settings, engine, "w1", lambda _b: None, store=store)
+    work.drain()
+    first, second = store.claimed[:2]
+    assert second and engine.added <= len(first), "a line of the late claim reached the engine"
+    finalize(settings, get_blob_store(settings.resolved_blob_url), batch_id)
+    batch = sdk.batches.retrieve(batch_id)
+    assert batch.status == "cancelled"
+    output, _ = check_ran_batch(sdk, batch, ids)
+    assert len(output) < len(first), "the first claim's lines all ran before the cancel"
+    with session_scope(settings.resolved_database_url) as session:
+        late = session.scalars(select(RequestLine.status).where(RequestLine.id.in_(second)))
+        assert set(late) == {"cancelled"}
 
 
 def test_expiry_keeps_finished_lines(settings: Settings, tenant_sdk: tuple[str, OpenAI]) -> None:

@@ -120,6 +120,9 @@ class Runner:
         #: Fallback throughput before any is measured: the calibrated or the seed's step model.
         self.step_model = step_model or calibrated(settings, self.model, device)
         self.held = HeldLines()
+        #: Batches cancelled or expired while this runner held their lines, and what those lines
+        #: became: a claim in flight when they stopped can still bring more of them.
+        self._stopped: dict[str, str] = {}
         #: The batch lane: batch requests in flight at a shared real-time server, steered by
         #: its latencies; ``None`` when off.
         self.lane = steering_for(
@@ -455,6 +458,8 @@ class Runner:
         self._stats.chunks += 1
         self._stats.touched.update(batches)
         sizing = self.claims.queue(claimed, self.room, self.engine.max_model_len)
+        if late := {b: self._stopped[b] for b in batches if b in self._stopped}:
+            self._stop_batches(late, self.clock.time())
         if sizing is not None:
             self.slots = self._sized_slots = sizing.slots
             if self.lane is not None:
@@ -526,6 +531,7 @@ class Runner:
         log.warning("%d lines were taken over by another worker (lease lapsed); dropped", len(lost))
 
     def _stop_batches(self, stopped: dict[str, str], at: float) -> None:
+        self._stopped.update(stopped)
         self.held.forget_batches(stopped)
         doomed = lambda h: h.row.batch_id in stopped  # noqa: E731
         running = self.held.take_running(doomed)
