@@ -45,7 +45,7 @@ def folder() -> Path:
 @pytest.fixture(scope="package")
 def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServe]:
     """One ``vllm serve`` of the default model for the folder (a start is the costliest step of
-    its tests); a test that kills it starts it again."""
+    its tests); no test stops it: one that takes it away cuts a proxy in front of it."""
     started = time.monotonic()
     log_path = tmp_path_factory.mktemp("vllm") / "serve.log"
     server = VllmServe(folder, DEFAULT_MODEL, free_port(), log_path, dies_with_this_process=True)
