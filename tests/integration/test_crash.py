@@ -1,8 +1,9 @@
 """Crash safety: API, control worker and an engine worker, with short leases, on a PostgreSQL
 and a Redis server of this module's own (``tests.support.servers``: throwaway servers in
-temporary folders, on free ports). The engine is the instant one, claiming a few lines at a time so a
-batch of many lines is still running when the fault comes: the faults are the database's, the
-broker's and the worker's, not the model's (a real engine worker killed: ``tests/e2e``).
+temporary folders, on free ports). The engine is the instant one, claiming a few lines at a
+time, so a batch of many lines is still running when the fault comes: the faults are the
+database's, the broker's and the worker's, not the model's (a real engine worker killed:
+``tests/e2e/test_lifecycle.py``).
 
 - Redis restarted in the middle of a batch (it keeps nothing on disk: queued messages are
   lost, the sweep sends them again) and PostgreSQL restarted in the middle of a batch (workers

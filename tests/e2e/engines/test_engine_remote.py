@@ -461,7 +461,7 @@ def test_a_batch_through_a_remote_engine_worker(
     assert 0 < sum(attributed.values()) <= batch.completed_at - batch.in_progress_at + 2
 
 
-def test_a_server_killed_mid_batch_fails_no_line(
+def test_a_server_gone_mid_batch_fails_no_line(
     client: OpenAI, stack: ServiceProcesses, remote_settings: Settings, link: TcpProxy
 ) -> None:
     """The server goes away mid-batch (its link cut: open connections reset, new ones refused,
