@@ -64,7 +64,14 @@ def engine() -> Iterator[Any]:
     config = get_settings().models[MODEL]
     path = ensure_model(MODEL, config, get_settings().model_cache_dir)
     started = time.monotonic()
-    loaded = VllmPoolingEngine.load(MODEL, config, path)
+    # vLLM's engine core in this process rather than one of its own: a vLLM process start
+    # fewer, and this module's few short inputs need no compute threads of their own.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        loaded = VllmPoolingEngine.load(MODEL, config, path)
+    from vllm import envs
+
+    envs.disable_envs_cache()  # the engine core froze this process's settings: thaw them
     print(f"embedding engine loaded in {time.monotonic() - started:.1f} s")
     yield loaded
     loaded.close()
