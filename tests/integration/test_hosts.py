@@ -222,7 +222,11 @@ def test_a_host_cut_mid_batch_loses_nothing_and_its_late_writes_are_fenced(fleet
             return any(w.heartbeat_at > restored_at for w in workers)
 
     wait_until(rejoined, 240, "engine-b heartbeating again", lost.tail("engine"))
-    # Its late write-back (results held since the cut) changed none of the rows it had held.
+    # Its late write-back (results held since the cut) comes once the connection open at the cut
+    # gives up, after TCP's retransmission back-off; it is fenced off, and changed none of the
+    # rows it had held.
+    fenced = lambda: "results not stored: their leases had lapsed" in lost.tail("engine", 2000)  # noqa: E731
+    wait_until(fenced, 120, "engine-b's late write-back", lost.tail("engine"))
     assert _finished(fleet.database_url, moved) == before
     after = client.batches.retrieve(batch.id)
     assert after.request_counts is not None and after.request_counts.completed == len(ids)

@@ -246,6 +246,12 @@ class ResultWriter:
             return None
         if outcome.report.renewed:
             self._renewed_at = write.at
+        if outcome.report.discarded:
+            log.warning(
+                "%d results not stored: their leases had lapsed (the lines ran elsewhere, or "
+                "their batch ended)",
+                outcome.report.discarded,
+            )
         per_batch = write.per_batch
         if per_batch:
             if self.share is not None:
@@ -345,4 +351,5 @@ def _merge(
         earlier.statuses | later.statuses,
         sorted({*earlier.lost, *later.lost}),
         earlier.renewed or later.renewed,
+        earlier.discarded + later.discarded,
     )

@@ -58,6 +58,9 @@ class WriteBackReport:
     lost: list[int] = field(default_factory=list)
     #: Whether this write-back renewed the held lines' leases (``WriteBack.held_ids`` given).
     renewed: bool = True
+    #: Results not stored: their lines' leases had lapsed (they ran elsewhere, or their batch
+    #: ended), so the rows are no longer this worker's to write.
+    discarded: int = 0
 
 
 class WorkStore(Protocol):
@@ -185,6 +188,7 @@ class DbStore:
         return WriteBackReport(
             {b: (status, float(expires_at)) for b, (status, expires_at) in stored.statuses.items()},
             sorted(set(write.held_ids) - stored.held),
+            discarded=len(write.results) - len(stored.written),
         )
 
     def release(
