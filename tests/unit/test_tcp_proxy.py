@@ -88,10 +88,11 @@ def test_a_target_that_is_away_resets_the_connection() -> None:
     with socket.socket() as spare:
         spare.bind(("127.0.0.1", 0))
         nowhere = spare.getsockname()[1]  # bound, never listening: connections are refused
+        # The reset can come before the client's connect returns: that is inside the raises.
         with (
             TcpProxy("127.0.0.1", nowhere) as proxy,
-            connect(proxy) as conn,
             pytest.raises(OSError),
+            connect(proxy) as conn,
         ):
             conn.sendall(b"anyone?")
             if conn.recv(16) == b"":
