@@ -16,7 +16,6 @@ The restarts stop this module's servers only; the machine's shared ones are neve
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from collections.abc import Iterator
@@ -40,7 +39,7 @@ from tests.support.batches import (
 )
 from tests.support.batches import submit as send
 from tests.support.database import new_key, settings_from
-from tests.support.processes import start_instant_engine_worker
+from tests.support.processes import instant_stack_env, start_instant_engine_worker
 from tests.support.servers import PostgresServer, RedisServer, free_port
 
 MODEL = DEFAULT_MODEL
@@ -65,18 +64,17 @@ def crash_env(
     restart, and a queue prefix and data folder of its own."""
     url = own_postgres.create_database("offpeak_crash")
     migrations.upgrade(url)
-    yield {
-        **base_env,
-        "OFFPEAK_DATABASE_URL": url,
-        "OFFPEAK_BROKER_URL": own_redis.url(0),
-        "OFFPEAK_QUEUE_PREFIX": f"{run_id}-crash",
-        "OFFPEAK_DATA_DIR": str(tmp_path_factory.mktemp("crash-data")),
-        "OFFPEAK_LEASE_SECONDS": str(LEASE_SECONDS),
-        "OFFPEAK_FLUSH_SECONDS": "0.5",
-        "OFFPEAK_SWEEP_SECONDS": "2",
-        "OFFPEAK_MODELS": json.dumps({MODEL: {"engine": "instant"}}),
-        "OFFPEAK_CHUNK_SIZE": str(CHUNK_SIZE),
-    }
+    yield instant_stack_env(
+        base_env,
+        url,
+        f"{run_id}-crash",
+        OFFPEAK_BROKER_URL=own_redis.url(0),
+        OFFPEAK_DATA_DIR=str(tmp_path_factory.mktemp("crash-data")),
+        OFFPEAK_LEASE_SECONDS=str(LEASE_SECONDS),
+        OFFPEAK_FLUSH_SECONDS="0.5",
+        OFFPEAK_SWEEP_SECONDS="2",
+        OFFPEAK_CHUNK_SIZE=str(CHUNK_SIZE),
+    )
     from storage.db import get_engine
 
     get_engine(url).dispose()  # this process's pool, before its server goes away
