@@ -190,6 +190,7 @@ def test_a_claim_in_flight_when_its_batch_is_cancelled_runs_none_of_its_lines(
     assert batch.status == "cancelled"
     output, _ = check_ran_batch(sdk, batch, ids)
     assert len(output) < len(first), "the first claim's lines all ran before the cancel"
+    check_billed_once(settings.resolved_database_url, batch)
     with session_scope(settings.resolved_database_url) as session:
         late = session.scalars(select(RequestLine.status).where(RequestLine.id.in_(second)))
         assert set(late) == {"cancelled"}
