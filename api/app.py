@@ -34,9 +34,10 @@ from storage.db import session_scope
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    """The intake app. Expects a migrated database (``offpeak migrate``)."""
+    """The intake app. Expects a migrated database (``offpeak migrate``). Raises
+    ``storage.sealing.MissingKeyError`` for a server database without ``secret_keys``."""
     settings = settings or get_settings()
-    sealing.configure(settings.secret_keys)
+    sealing.configure(sealing.keys_for(settings))
     reader = Reader(settings.resolved_database_url)
 
     @asynccontextmanager
@@ -70,6 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(models.router)
     app.include_router(admin.router)
     app.include_router(admin.tenants_router)
+    app.include_router(admin.adapters_router)
     app.include_router(admin_keys.router)
     app.include_router(usage.router)
     app.include_router(metrics.router)

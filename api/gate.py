@@ -6,13 +6,16 @@ it sends. This middleware answers every ``/v1/…`` request without a valid key 
 alone, and leaves the tenant (or the admin's pass) on the request's state for the dependencies
 of ``api.deps`` to pick up. Repeated wrong keys from one client address are answered 429, and
 so is a key past its requests per minute (``api.ratelimit``; the admin API has no limit), so a
-limited client costs neither a body read nor a database query.
+limited client costs neither a body read nor a database query. A batch create past its
+tenant's batch creates per minute is answered 429 here too, before its body is read, so a
+refused create leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import hmac
 import math
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -25,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api import ratelimit
 from api.errors import DATABASE_UNAVAILABLE, RETRY_AFTER_SECONDS, log_unavailable
 from api.services import keys
+from offpeak import tenant_limits
 from offpeak.endpoints import anthropic_messages
 from offpeak.settings import Settings
 from offpeak.wire import error_object
@@ -37,6 +41,10 @@ API_PREFIX = "/v1/"
 ADMIN_PREFIX = "/v1/admin/"
 #: Tenant paths that also take the admin key, showing the operator every tenant's figures.
 OPERATOR_TOO = frozenset({"/v1/dashboard"})
+#: Paths of one batch that take the admin key too (the operator pauses any tenant's batch).
+OPERATOR_TOO_BATCH = re.compile(r"/v1/batches/[^/]+/(pause|resume)")
+#: The batch creates, counted against ``batch_creates_per_minute``.
+BATCH_CREATES = frozenset({"/v1/batches", "/v1/messages/batches"})
 #: Client addresses whose failures are remembered at most (least recently failed go first).
 FAILURE_TABLE_SIZE = 10_000
 
@@ -145,12 +153,14 @@ class KeyGateMiddleware:
             if scope["path"].startswith(ADMIN_PREFIX):
                 self._check_admin(Headers(scope=scope))
                 state["admin"] = True
-            elif scope["path"] in OPERATOR_TOO and self._is_admin(Headers(scope=scope)):
+            elif _operator_too(scope["path"]) and self._is_admin(Headers(scope=scope)):
                 state["admin"] = True
             else:
                 tenant, key = await self._tenant(scope, Headers(scope=scope), address)
                 state["tenant"] = tenant
                 verdict = await self._rate(tenant, key)
+                if scope["method"] == "POST" and scope["path"].rstrip("/") in BATCH_CREATES:
+                    await self._creates(tenant)
         except Refused as refused:
             await _answer(send, scope["path"], refused)
             return
@@ -169,9 +179,9 @@ class KeyGateMiddleware:
     async def _rate(self, tenant: Tenant, key: str) -> ratelimit.Verdict | None:
         """The key's rate-limit verdict (``None``: no limit applies); raises ``Refused`` (429,
         OpenAI's ``rate_limit_exceeded`` of type ``requests``) past it."""
-        limit = tenant.requests_per_minute
-        if limit is None:
-            limit = self.settings.limits.requests_per_minute
+        limit = tenant_limits.one(
+            "requests_per_minute", tenant.requests_per_minute, self.settings.limits
+        )
         if limit is None:
             return None
         verdict = await self.limiter.check(keys.hash_key(key), limit)
@@ -186,6 +196,29 @@ class KeyGateMiddleware:
                 kind="requests",
             )
         return verdict
+
+    async def _creates(self, tenant: Tenant) -> None:
+        """Count one batch create against the tenant's ``batch_creates_per_minute`` (the same
+        GCRA as the keys' rate, on a key of the tenant's); raises ``Refused`` (429,
+        ``rate_limit_exceeded`` with ``Retry-After``) past it."""
+        limit = tenant_limits.one(
+            "batch_creates_per_minute", tenant.batch_creates_per_minute, self.settings.limits
+        )
+        if limit is None:
+            return
+        verdict = await self.limiter.check(f"creates:{tenant.id}", limit)
+        if verdict.allowed:
+            return
+        headers = verdict.headers()
+        wait = headers["retry-after"]
+        raise Refused(
+            429,
+            f"Rate limit reached for batch creates per minute on this organization: Limit "
+            f"{limit}. Please try again in {wait}s.",
+            "rate_limit_exceeded",
+            {"retry-after": wait, "retry-after-ms": headers["retry-after-ms"]},
+            kind="requests",
+        )
 
     async def _tenant(self, scope: Scope, headers: Headers, address: str) -> tuple[Tenant, str]:
         anthropic = anthropic_messages.on_surface(scope["path"])
@@ -240,6 +273,11 @@ class KeyGateMiddleware:
         expected = self.settings.admin_api_key
         given = _bearer(headers) or ""
         return bool(expected) and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def _operator_too(path: str) -> bool:
+    """Whether ``path`` takes the admin key beside a tenant's."""
+    return path in OPERATOR_TOO or OPERATOR_TOO_BATCH.fullmatch(path) is not None
 
 
 def is_operator(headers: Headers, settings: Settings) -> bool:

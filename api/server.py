@@ -2,8 +2,11 @@
 
 uvicorn bounds neither a request's headers (their size, or how long they may take to arrive)
 nor the pauses within a body: a client that opens connections and dribbles bytes holds sockets
-and memory for as long as it likes. ``BoundedHttpProtocol`` is uvicorn's httptools protocol with
-those three bounds; the concurrency cap and keep-alive are uvicorn's own settings
+and memory for as long as it likes. Nor does httptools: it keeps a header's name and value until
+the next header starts, growing it by copying, so one header line that never ends costs memory
+and CPU without bound. ``BoundedHttpProtocol`` is uvicorn's httptools protocol with those bounds
+(uvicorn's ``h11_max_incomplete_event_size`` bounds only its slower h11 protocol, and neither
+has a deadline for headers); the concurrency cap and keep-alive are uvicorn's own settings
 (``server_options``).
 """
 
@@ -44,6 +47,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._header_bytes = 0
+        self._head_received = 0
         self._refused = False
         self._in_body = False
         self._timer: asyncio.TimerHandle | None = None
@@ -61,7 +65,14 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         elif self._timer is None:
             # The first byte of a request on a kept-alive connection starts its header clock.
             self._arm(self.header_timeout, self._headers_late)
+        in_head = not self._in_body
+        if in_head:
+            # The bytes as they arrive, not as parsed: the parser reports a header only once
+            # the next one starts, so an unfinished one would never be counted.
+            self._head_received += len(data)
         super().data_received(data)
+        if in_head and not self._in_body and self._head_received > self.max_header_bytes:
+            self._too_large()
 
     def on_message_begin(self) -> None:
         self._header_bytes = 0
@@ -80,6 +91,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             return
         self._disarm()
         self._in_body = True
+        self._head_received = 0
         self._arm(self.body_timeout, self._body_late)
         super().on_headers_complete()
 
@@ -99,10 +111,14 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             return False
         self._header_bytes += size
         if self._header_bytes > self.max_header_bytes:
-            message = f"The request's headers are larger than {self.max_header_bytes} bytes."
-            self._refuse(_status(431, "Request Header Fields Too Large", message))
+            self._too_large()
             return False
         return True
+
+    def _too_large(self) -> None:
+        if not self._refused:
+            message = f"The request's headers are larger than {self.max_header_bytes} bytes."
+            self._refuse(_status(431, "Request Header Fields Too Large", message))
 
     def _refuse(self, answer: bytes | None) -> None:
         self._refused = True

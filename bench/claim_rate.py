@@ -6,7 +6,8 @@ lines) until none is left, each claim its own transaction. The legs alternate, e
 as many rounds as it is second (the second leg of a round runs slower), each from the same
 pending rows after a ``VACUUM ANALYZE``; the median of the rounds counts. Between claims (not
 timed) the claimed lines are marked succeeded and counted on their batch, as the write-back
-does, so the rows running stay few, as in a worker."""
+does, so the rows running stay few, as in a worker. Each batch's lines fall in 64 prefix groups
+spread through its file, so the claims take them group by group, as they do a shuffled file."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from workers.scheduler.fair_share import FairShare
 MODEL = "bench-model"
 #: Lines per claim: the mean of ``offpeak bench control``'s claims.
 CHUNK = 488
+#: Prefix groups per batch (``requests.prefix_group``).
+GROUPS = 64
 LINE = '{"custom_id": "c", "body": {"messages": "' + "x" * 200 + '"}}'
 
 
@@ -44,12 +47,20 @@ def _fill(url: str, tenants: int, lines: int) -> None:
             session.add(
                 Batch(id=f"b{n}", tenant_id=f"t{n}", endpoint="/v1/chat/completions",
                       model=MODEL, input_file_id="f", completion_window="24h",
-                      status="in_progress", created_at=now, expires_at=now + 86_400 + n,
-                      total=per)
+                      window_seconds=86_400, status="in_progress", created_at=now,
+                      expires_at=now + 86_400 + n, total=per)
             )  # fmt: skip
             session.flush()
-            rows = ((f"b{n}", i, f"c{i}", MODEL, now + 86_400 + n, LINE) for i in range(per))
+            rows = (
+                (f"b{n}", i, f"c{i}", MODEL, now + 86_400 + n, LINE, _group(i)) for i in range(per)
+            )
             intake_repo.bulk_insert(session, rows)
+
+
+def _group(line: int) -> int:
+    """Line ``line``'s prefix group: 64 groups a batch, spread through the file as a shuffled
+    file's documents are (so claims walk the groups, not the file's order)."""
+    return (line * 7919) % GROUPS << 32
 
 
 def _finish(url: str, ids: list[int]) -> None:

@@ -16,11 +16,26 @@ resolves it on this device, KV block size included):
     API and workers already running (a fresh scratch service per size, warmed up by a 4-request
     batch), the engine worker's RSS (its vLLM processes included) sampled throughout.
 
+Every leg computes on the same CPUs with the same threads: ``VLLM_CPU_OMP_THREADS_BIND`` is
+set to every CPU this process may use (unless already set) before any leg starts, so the raw and
+run_batch legs do not take vLLM's ``auto`` binding (which keeps a core back) while Offpeak's
+engine honours the variable (``workers.engine.cpu_binding``); each leg's binding is in the JSON.
+``kv_cache_gib`` gives every leg the same KV cache (``kv_cache_memory_bytes``).
+
+Workloads: ``no-sharing`` (the sizes above, ``generator.chat_requests``), ``shared-prefix``
+(``generator.shared_prefix_requests``: documents of ~600 tokens, each asked several questions,
+shuffled; with a KV cache smaller than the documents together, as a GPU's is to a large file), or
+any OpenAI batch file (``input_file``).
+
 Output tokens/s is completion tokens (as each reports them) over that leg's seconds; the
 prefix-cache hit rate is cached prompt tokens over prompt tokens (``num_cached_tokens`` of
-vLLM's outputs, ``prompt_tokens_details.cached_tokens`` of run_batch's and Offpeak's usage).
+vLLM's outputs, ``prompt_tokens_details.cached_tokens`` of run_batch's and Offpeak's usage);
+prompt tokens computed (prompt minus cached) are set against the minimum possible, each distinct
+prefix computed once (``minimum_prompt_tokens`` of the prompts' token ids), and in whole KV
+blocks, as an engine's prefix cache can reach it (``minimum_prompt_tokens_in_blocks``).
 Targets: c ≥ 0.95 × the best (a) and c faster than b, at every size; the
-engine worker's RSS flat from the small batch to the large one.
+engine worker's RSS flat from the small batch to the large one; on ``shared-prefix`` c ≥ 1.5 × the
+best (a) with every text the same, and c's prompt tokens computed ≤ 1.2 × the minimum.
 """
 
 from __future__ import annotations
@@ -40,8 +55,26 @@ import orjson
 import psycopg
 
 from bench import children, harness
-from bench.generator import ASSISTANT_SYSTEM_PROMPT, chat_requests, write_jsonl
+from bench.generator import (
+    ASSISTANT_SYSTEM_PROMPT,
+    chat_requests,
+    shared_prefix_requests,
+    write_jsonl,
+)
 from offpeak.settings import DEFAULT_MODEL, ModelConfig, Settings
+from workers.engine.cpu_binding import BIND_VARIABLE, format_cpus
+
+#: The built-in workloads.
+WORKLOADS = ("no-sharing", "shared-prefix")
+#: ``shared-prefix``'s targets: Offpeak over the best raw leg, and its prompt tokens computed
+#: over the minimum possible, at most.
+SHARED_PREFIX_OVER_BEST_RAW = 1.5
+SHARED_PREFIX_COMPUTED_OVER_MINIMUM = 1.2
+#: ``shared-prefix``'s defaults: documents, questions per document, and a KV cache (GiB) the
+#: documents together overflow about 2.7x (SmolLM2-135M in float32: 45 KiB per token).
+DOCUMENTS = 16
+QUESTIONS = 6
+SHARED_PREFIX_KV_GIB = 0.15
 
 #: Offpeak against the fastest raw leg, at every size.
 TARGET_OVER_BEST_RAW = 0.95
@@ -62,6 +95,8 @@ RSS_SECONDS = 0.5
 ROOT = Path(__file__).resolve().parents[1]
 #: The runner's sizing decision in the engine worker's log (``Runner._accept``).
 _SLOTS = re.compile(r"engine slots ([\d,]+)")
+#: The engine worker's CPUs (``workers.engine.cpu_binding.bound``).
+_BINDING = re.compile(r"computes on CPUs? (\S+)")
 
 
 def on_cpu() -> bool:
@@ -109,11 +144,40 @@ def _run(command: list[str], name: str | None = None, **kwargs: Any) -> None:
         raise RuntimeError(f"{name or command[2]} exited with {done.returncode}:\n{tail}")
 
 
+def minimum_prompt_tokens(prompts: Sequence[Sequence[int]]) -> int:
+    """Prompt tokens an engine must compute at the least for ``prompts`` (token ids): each
+    distinct prefix once, i.e. the nodes of the prompts' token trie (sorted, each prompt adds
+    what it does not share with its neighbour before it)."""
+    ordered = sorted(list(p) for p in prompts)
+    total = 0
+    previous: list[int] = []
+    for prompt in ordered:
+        shared = 0
+        for a, b in zip(prompt, previous, strict=False):
+            if a != b:
+                break
+            shared += 1
+        total += len(prompt) - shared
+        previous = prompt
+    return total
+
+
+def minimum_prompt_tokens_in_blocks(prompts: Sequence[Sequence[int]], block_size: int) -> int:
+    """``minimum_prompt_tokens`` as an engine that caches whole KV blocks of ``block_size``
+    tokens can reach it: a prompt reuses only the whole blocks it shares with another
+    (``workers.scheduler.chunking.shared_prefix_tokens``)."""
+    from workers.scheduler.chunking import shared_prefix_tokens
+
+    return sum(len(p) for p in prompts) - sum(shared_prefix_tokens(prompts, block_size))
+
+
 def _tokens(leg: dict[str, Any]) -> dict[str, Any]:
-    """Adds the leg's tokens/s and prefix-cache hit rate."""
+    """Adds the leg's tokens/s, prefix-cache hit rate and prompt tokens computed."""
     leg["output_tokens_per_s"] = leg["completion_tokens"] / leg["seconds"]
     prompt = leg["prompt_tokens"]
     leg["prefix_hit_rate"] = leg["cached_tokens"] / prompt if prompt else 0.0
+    leg["prompt_tokens_computed"] = prompt - leg["cached_tokens"]
+    leg.setdefault("cpu_binding", os.environ.get(BIND_VARIABLE, "auto"))
     leg["load_average_end"] = harness.load_average()
     return leg
 
@@ -139,6 +203,12 @@ def leg_raw(input_path: Path, model_dir: Path, kwargs: dict[str, Any]) -> dict[s
             "prompt_tokens": sum(c["prompt_tokens"] for c in completions),
             "cached_tokens": sum(c["cached_tokens"] for c in completions),
             "texts": {cid: c["text"] for cid, c in result["completions"].items()},
+            "minimum_prompt_tokens": minimum_prompt_tokens(
+                [c["prompt_token_ids"] for c in completions]
+            ),
+            "minimum_prompt_tokens_in_blocks": minimum_prompt_tokens_in_blocks(
+                [c["prompt_token_ids"] for c in completions], result["engine"]["block_size"]
+            ),
             "load_average": load,
         }
     )
@@ -198,12 +268,16 @@ def leg_offpeak(
         with harness.RssSampler(service.pid("engine"), interval=RSS_SECONDS) as rss:
             leg = _offpeak_once(service, input_path)
         log = service.stack.log_dir / "engine.log"
-        slots = _SLOTS.findall(log.read_text(errors="replace")) if log.exists() else []
+        text = log.read_text(errors="replace") if log.exists() else ""
+        slots = _SLOTS.findall(text)
+        binding = _BINDING.findall(text)
     return _tokens(
         {
             **leg,
             "kind": "offpeak",
             "max_num_seqs": config.max_num_seqs_on(on_cpu()),
+            # Where its engine computed, as the engine worker logged it.
+            "cpu_binding": binding[-1] if binding else "unknown",
             "warm_up_s": warm,
             # The runner's sizing decisions in this service's life (warm-up batch included).
             "engine_slots": [int(s.replace(",", "")) for s in slots],
@@ -267,15 +341,24 @@ def next_sweep(legs: dict[str, dict[str, Any]], keep: int) -> list[int]:
 
 
 def compare(requests: int, legs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One size's verdict: every leg's ratio to the fastest raw leg (and to run_batch), the
-    texts each leg shares with it, and the targets met. ``legs`` keep their ``texts``."""
+    """One size's verdict: every leg's ratio to the fastest raw leg (and to run_batch), its
+    prompt tokens computed against the minimum possible, the texts each leg shares with the
+    fastest raw leg, and the targets met. ``legs`` keep their ``texts``."""
     best = fastest(legs)[0]
     best_rate = legs[best]["output_tokens_per_s"]
     peer = legs.get("run_batch")
+    minimum = legs[best].get("minimum_prompt_tokens")
+    in_blocks = legs[best].get("minimum_prompt_tokens_in_blocks")
     for leg in legs.values():
         leg["over_best_raw"] = leg["output_tokens_per_s"] / best_rate
         if peer is not None:
             leg["over_run_batch"] = leg["output_tokens_per_s"] / peer["output_tokens_per_s"]
+        if minimum:
+            leg["minimum_prompt_tokens"] = minimum
+            leg["computed_over_minimum"] = leg["prompt_tokens_computed"] / minimum
+        if in_blocks:
+            leg["minimum_prompt_tokens_in_blocks"] = in_blocks
+            leg["computed_over_minimum_in_blocks"] = leg["prompt_tokens_computed"] / in_blocks
     reference = legs[best]["texts"]
     same = {
         key: sum(leg["texts"].get(cid) == text for cid, text in reference.items())
@@ -287,20 +370,52 @@ def compare(requests: int, legs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         met["offpeak_over_best_raw"] = offpeak["over_best_raw"] >= TARGET_OVER_BEST_RAW
         if peer is not None:
             met["offpeak_over_run_batch"] = offpeak["over_run_batch"] > 1.0
-    return {"requests": requests, "best_raw": best, "same_text_as_best_raw": same, "met": met}
+        met["same_texts"] = same["offpeak"] == len(reference)
+    return {
+        "requests": requests,
+        "best_raw": best,
+        "minimum_prompt_tokens": minimum,
+        "minimum_prompt_tokens_in_blocks": in_blocks,
+        "same_text_as_best_raw": same,
+        "met": met,
+    }
 
 
 def _print(requests: int, verdict: dict[str, Any], legs: dict[str, dict[str, Any]]) -> None:
     harness.print_table(
         f"end to end: {requests:,} chat requests (best raw leg: {verdict['best_raw']})",
         ["leg", "max_num_seqs", "seconds", "output tokens", "tokens/s", "/ best raw",
-         "/ run_batch", "prefix hit", "same text", "load (1 min)"],
+         "/ run_batch", "prefix hit", "computed / min", "same text", "CPUs", "load (1 min)"],
         [[key, leg["max_num_seqs"], leg["seconds"], leg["completion_tokens"],
           leg["output_tokens_per_s"], leg["over_best_raw"], leg.get("over_run_batch", "n/a"),
-          f"{100 * leg['prefix_hit_rate']:.0f}%",
-          f"{verdict['same_text_as_best_raw'][key]}/{requests}", leg["load_average"][0]]
+          f"{100 * leg['prefix_hit_rate']:.0f}%", leg.get("computed_over_minimum", "n/a"),
+          f"{verdict['same_text_as_best_raw'][key]}/{requests}", leg["cpu_binding"],
+          leg["load_average"][0]]
          for key, leg in legs.items()],
     )  # fmt: skip
+
+
+def workload_lines(
+    workload: str, n: int, name: str, max_tokens: int, documents: int, questions: int
+) -> list[dict[str, Any]]:
+    """The built-in ``workload``'s lines (``WORKLOADS``); raises ``ValueError`` for another."""
+    if workload == "no-sharing":
+        return chat_requests(
+            n, model=name, max_tokens=max_tokens, system_prompt=ASSISTANT_SYSTEM_PROMPT
+        )
+    if workload == "shared-prefix":
+        return shared_prefix_requests(documents, questions, model=name, max_tokens=max_tokens)
+    raise ValueError(f"unknown workload {workload!r}: one of {', '.join(WORKLOADS)}")
+
+
+def _bind_every_leg() -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for every leg: the operator's, else every CPU this process
+    may use (set here, so every child inherits it)."""
+    binding = os.environ.get(BIND_VARIABLE)
+    if not binding and on_cpu():
+        binding = format_cpus(sorted(os.sched_getaffinity(0)))
+        os.environ[BIND_VARIABLE] = binding
+    return binding or "auto"
 
 
 def run(
@@ -312,16 +427,28 @@ def run(
     sweep: Sequence[int] = SWEEP,
     keep: int = KEEP,
     logs: Path | None = None,
+    *,
+    workload: str = "no-sharing",
+    input_file: Path | None = None,
+    kv_cache_gib: float | None = None,
+    documents: int = DOCUMENTS,
+    questions: int = QUESTIONS,
 ) -> dict[str, Any]:
-    """Run the legs at every size in ``requests`` (ascending) on the default model; print a
-    table per size and write ``e2e.json``.
+    """Run the legs on the default model; print a table per size and write
+    ``e2e-<workload>.json`` (``e2e.json`` for ``no-sharing``, ``e2e-input.json`` for a file).
+
+    ``no-sharing``: one run per size in ``requests`` (ascending); ``shared-prefix``: one run of
+    ``documents × questions`` lines (KV cache ``SHARED_PREFIX_KV_GIB`` unless ``kv_cache_gib``
+    says); ``input_file``: one run of that OpenAI batch file (its lines' ``model`` is replaced
+    by the default model's name).
 
     ``sweep`` is the raw leg's ``max_num_seqs`` values; after the first size only the ``keep``
     fastest of the size before run (``0``: all of them). ``gpu_memory_utilization`` and
     ``dtype`` replace the configured values in every leg (``None``: keep them; vllm-cpu
     reserves that fraction of the NUMA node's memory minus the process's own RSS for the KV
-    cache and refuses to start when the difference is not positive). ``logs``: keep the
-    scratch services' logs there (one folder per size). Raises ``RuntimeError`` when a leg fails.
+    cache and refuses to start when the difference is not positive); ``kv_cache_gib`` gives
+    every leg a KV cache of that size instead. ``logs``: keep the scratch services' logs there
+    (one folder per size). Raises ``RuntimeError`` when a leg fails.
     """
     from workers.model_store import ensure_model
 
@@ -332,17 +459,30 @@ def run(
         config = config.model_copy(update={"gpu_memory_utilization": gpu_memory_utilization})
     if dtype is not None:
         config = config.model_copy(update={"dtype": dtype})
+    if workload == "shared-prefix" and kv_cache_gib is None and input_file is None:
+        kv_cache_gib = SHARED_PREFIX_KV_GIB
+    if kv_cache_gib is not None:
+        engine_args = {**config.engine_args, "kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
+        config = config.model_copy(update={"engine_args": engine_args})
     model_dir = ensure_model(name, config, settings.model_cache_dir)
     kwargs = engine_kwargs(name, config, model_dir, on_cpu())
+    binding = _bind_every_leg()
     machine = harness.machine()
     sizes: dict[str, dict[str, Any]] = {}
     raw_seqs = list(sweep)
+    label = "input" if input_file is not None else workload
+    runs: list[int] = sorted(requests) if label == "no-sharing" else [0]
     with tempfile.TemporaryDirectory(prefix="offpeak-e2e-") as tmp:
-        for n in sorted(requests):
+        for n in runs:
+            if input_file is not None:
+                lines = [orjson.loads(raw) for raw in input_file.read_bytes().splitlines()
+                         if raw.strip()]  # fmt: skip
+                for line in lines:
+                    line.setdefault("body", {})["model"] = name
+            else:
+                lines = workload_lines(workload, n, name, max_tokens, documents, questions)
+            n = len(lines)
             path = Path(tmp) / f"input-{n}.jsonl"
-            lines = chat_requests(
-                n, model=name, max_tokens=max_tokens, system_prompt=ASSISTANT_SYSTEM_PROMPT
-            )
             write_jsonl(lines, path)
             legs: dict[str, dict[str, Any]] = {}
             for seqs in raw_seqs:
@@ -357,22 +497,40 @@ def run(
             harness.console.print(f"{n:,} requests: (c) Offpeak …")
             legs["offpeak"] = leg_offpeak(path, name, config, logs and logs / f"offpeak-{n}")
             verdict = compare(n, legs)
+            if label == "shared-prefix":
+                offpeak = legs["offpeak"]
+                verdict["met"]["shared_prefix_over_best_raw"] = (
+                    offpeak["over_best_raw"] >= SHARED_PREFIX_OVER_BEST_RAW
+                )
+                verdict["met"]["computed_within_minimum"] = (
+                    offpeak.get("computed_over_minimum", float("inf"))
+                    <= SHARED_PREFIX_COMPUTED_OVER_MINIMUM
+                )
             _print(n, verdict, legs)
             kept = {k: {f: v for f, v in leg.items() if f != "texts"} for k, leg in legs.items()}
             sizes[str(n)] = {**verdict, "legs": kept}
             raw_seqs = next_sweep(legs, keep)
             # Written after every size, so a run stopped during a large size keeps the rest.
-            result = _result(
-                machine, sizes, requests, max_tokens, sweep, keep, name, kwargs, config
-            )
-            written = harness.write_result("e2e", result, out_dir)
-    for n, size in sizes.items():
+            sized = requests if label == "no-sharing" else [n]
+            result = _result(machine, sizes, sized, max_tokens, sweep, keep, name, kwargs, config)
+            result["params"].update(
+                workload=label,
+                input_file=str(input_file) if input_file else None,
+                kv_cache_gib=kv_cache_gib,
+                cpu_binding=binding,
+                **({"documents": documents, "questions": questions}
+                   if label == "shared-prefix" else {}),
+            )  # fmt: skip
+            file_name = "e2e" if label == "no-sharing" else f"e2e-{label}"
+            written = harness.write_result(file_name, result, out_dir)
+    for count, size in sizes.items():
         offpeak = size["legs"]["offpeak"]
         harness.console.print(
-            f"{n} requests: Offpeak / best raw ({size['best_raw']}) = "
+            f"{count} requests: Offpeak / best raw ({size['best_raw']}) = "
             f"{offpeak['over_best_raw']:.3f} (target ≥ {TARGET_OVER_BEST_RAW}), Offpeak / "
-            f"run_batch = {offpeak['over_run_batch']:.2f} (target > 1), engine worker RSS "
-            f"+{offpeak['engine_rss_mib']['growth']:.0f} MiB"
+            f"run_batch = {offpeak['over_run_batch']:.2f} (target > 1), prompt tokens computed "
+            f"/ minimum = {offpeak.get('computed_over_minimum', float('nan')):.2f}, engine "
+            f"worker RSS +{offpeak['engine_rss_mib']['growth']:.0f} MiB"
         )
     harness.console.print(f"wrote {written}")
     return result

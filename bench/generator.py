@@ -6,6 +6,9 @@
   system prompt (``bench e2e``: ``ASSISTANT_SYSTEM_PROMPT``, a few hundred tokens, so prefix
   caching has a realistic prefix to find), and every request is greedy
   (``temperature`` 0) so the three runners of ``bench e2e`` produce comparable outputs.
+- ``shared_prefix_requests``: ``bench e2e``'s ``shared-prefix`` workload, ``documents`` documents
+  of about 600 tokens each asked ``questions`` questions, the lines shuffled (a seeded order), as
+  a file that asks several things of each document arrives.
 - ``write_padded_file``: many lines of a fixed size, streamed to disk, for the intake, control
   plane and memory benchmarks (50,000 lines of ~2,000 bytes make the ~100 MB intake file).
 """
@@ -135,6 +138,58 @@ def chat_requests(
                 },
             }
         )
+    return lines
+
+
+#: Words of one ``shared_prefix_requests`` document: about 600 tokens of SmolLM2's tokenizer.
+DOCUMENT_WORDS = 520
+
+
+def shared_prefix_requests(
+    documents: int = 16,
+    questions: int = 6,
+    *,
+    model: str,
+    max_tokens: int = 32,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """``documents × questions`` chat request lines (``custom_id`` ``doc-000-q-00`` …): one user
+    turn each, a document of ``DOCUMENT_WORDS`` words (about 600 tokens) then a question about
+    it, so the lines of one document share everything up to the question. Lines are shuffled
+    with ``seed``; ``max_tokens`` cycles as in ``chat_requests``; all greedy (``temperature`` 0)."""
+    rng = random.Random(seed)
+    fractions = (1 / 8, 1 / 4, 1 / 2, 1)
+    lines = []
+    for d in range(documents):
+        sentences: list[str] = []
+        words = 0
+        while words < DOCUMENT_WORDS:
+            count = min(rng.randint(8, 16), DOCUMENT_WORDS - words)
+            sentences.append(_sentence(rng, count))
+            words += count
+        document = " ".join(sentences)
+        for q in range(questions):
+            question = _QUESTIONS[(d + q) % len(_QUESTIONS)]
+            limit = max(1, round(max_tokens * fractions[(d + q) % 4]))
+            lines.append(
+                {
+                    "custom_id": f"doc-{d:03d}-q-{q:02d}",
+                    "method": "POST",
+                    "url": CHAT_URL,
+                    "body": {
+                        "model": model,
+                        "messages": [
+                            {
+                                "role": "user",
+                                "content": f"Document:\n{document}\n\nQuestion: {question}",
+                            }
+                        ],
+                        "max_tokens": limit,
+                        "temperature": 0,
+                    },
+                }
+            )
+    rng.shuffle(lines)
     return lines
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import psutil
 import psycopg
 import redis
+from cryptography.fernet import Fernet
 from openai import OpenAI
 from openai.types import Batch
 from psycopg.conninfo import conninfo_to_dict
@@ -31,6 +32,7 @@ from rich.table import Table
 from bench.servers import free_port
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.statuses import BatchStatus
+from offpeak.tenant_limits import LIMIT_NAMES
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 #: Where scratch databases are created (``CREATE DATABASE``) and dropped again.
@@ -210,12 +212,16 @@ def _scratch_stack(
     key = f"sk-offpeak-bench-{secrets.token_hex(8)}"
     tmp = Path(tempfile.mkdtemp(prefix=f"offpeak-{run}-"))
     full_env = {
+        "OFFPEAK_SECRET_KEYS": json.dumps([Fernet.generate_key().decode()]),
         "OFFPEAK_DATABASE_URL": url,
         "OFFPEAK_BROKER_URL": REDIS_URL,
         "OFFPEAK_DATA_DIR": str(tmp / "data"),
         "OFFPEAK_QUEUE_PREFIX": run,
         "OFFPEAK_MODELS": json.dumps(models),
         "OFFPEAK_LOCAL_API_KEY": key,
+        # A benchmark measures the service's speed; the tenant limits would refuse its bursts
+        # of creates and polls from one key. A run that measures them sets them in ``env``.
+        **{f"OFFPEAK_LIMITS__{name.upper()}": "unlimited" for name in LIMIT_NAMES},
         **(env or {}),
     }
     stack = ServiceProcesses(full_env, free_port(), keep_logs or tmp / "logs", roles=roles)

@@ -3,7 +3,8 @@
 ``python -m bench.raw_engine --input IN --model-dir DIR --engine-json '{…}' --output OUT.json``
 loads ``vllm.LLM`` with the given engine arguments, warms it up with one short request, then times
 one ``LLM.chat`` over every request of the file (generation only: the model is already loaded)
-and writes the timing, each request's completion and prompt-cache hits (``num_cached_tokens``)
+and writes the timing, each request's completion, prompt token ids and prompt-cache hits
+(``num_cached_tokens``)
 and the KV cache the engine allocated (block size, blocks) as JSON. A process of its own so its
 engine is gone before the next leg starts, and under a main guard because vLLM spawns its engine
 core.
@@ -46,6 +47,7 @@ def run(input_path: Path, model_dir: Path, engine: dict[str, Any]) -> dict[str, 
             "prompt_tokens": len(out.prompt_token_ids or []),
             "completion_tokens": len(out.outputs[0].token_ids),
             "cached_tokens": int(out.num_cached_tokens or 0),
+            "prompt_token_ids": list(out.prompt_token_ids or []),
         }
         for line, out in zip(lines, outputs, strict=True)
     }

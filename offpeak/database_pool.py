@@ -8,14 +8,31 @@ from pydantic import BaseModel, Field
 
 
 class DatabasePool(BaseModel):
-    #: Connections the pool of sessions (tasks, the API's writes) keeps open.
-    size: int = Field(default=10, ge=1)
-    #: More it may open under a burst, each closed again when returned.
-    overflow: int = Field(default=20, ge=0)
-    #: Connections of the pool of reads (``storage.db.read``: the API's status polls); no overflow.
-    read_size: int = Field(default=20, ge=1)
-    #: psycopg prepares a statement on its connection once run 5 times there. Off behind a pooler
-    #: in transaction mode that does not track prepared statements (PgBouncer before 1.21, or
-    #: without ``max_prepared_statements``): the next transaction may get another server
-    #: connection, where the statement does not exist.
-    prepared_statements: bool = True
+    size: int = Field(
+        default=10,
+        ge=1,
+        description="Connections the pool of sessions (tasks, the API's writes) keeps open.",
+    )
+    overflow: int = Field(
+        default=20,
+        ge=0,
+        description="More it may open under a burst, each closed again when returned.",
+    )
+    read_size: int = Field(
+        default=20,
+        ge=1,
+        description=(
+            "Connections of the pool of reads (``storage.db.read``: the API's status "
+            "polls); no overflow."
+        ),
+    )
+    prepared_statements: bool = Field(
+        default=True,
+        description=(
+            "psycopg prepares a statement on its connection once run 5 times there. Off "
+            "behind a pooler in transaction mode that does not track prepared statements "
+            "(PgBouncer before 1.21, or without ``max_prepared_statements``): the next "
+            "transaction may get another server connection, where the statement does not "
+            "exist."
+        ),
+    )

@@ -8,21 +8,27 @@ decided before the batch starts. The JSON around the prompt is counted too, so t
 on the high side of what the model's tokenizer finds. The requested output is ``n`` ×
 (``max_completion_tokens``, ``max_tokens`` or ``max_output_tokens``, whichever the body sets
 first) or, unset, the endpoint's default: what the context window leaves after the prompt
-(chat, responses, messages), 16 (``/v1/completions``, OpenAI's default) or none (embeddings).
+(chat, responses, messages), 16 (``/v1/completions``, OpenAI's default) or none (embeddings,
+score, rerank).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from offpeak.endpoints import completions, embeddings
+from offpeak.endpoints import completions, embeddings, rerank, score
 
 #: Bytes of a line counted as one prompt token.
 BYTES_PER_TOKEN = 4
 #: Body fields naming the most output tokens of one completion, the first one set wins.
 OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 #: Output per completion of a line that sets none, where it is not the context's remainder.
-DEFAULT_OUTPUT = {completions.Completions.url: completions.DEFAULT_MAX_TOKENS, embeddings.URL: 0}
+DEFAULT_OUTPUT = {
+    completions.Completions.url: completions.DEFAULT_MAX_TOKENS,
+    embeddings.URL: 0,
+    score.URL: 0,
+    rerank.URL: 0,
+}
 
 
 def _positive_int(value: Any) -> int | None:

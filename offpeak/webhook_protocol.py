@@ -24,8 +24,16 @@ from standardwebhooks.webhooks import Webhook
 
 from offpeak.statuses import BatchStatus
 
-#: The batch events a tenant can subscribe to (OpenAI's names).
-EVENT_TYPES = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled")
+#: The batch events a tenant can subscribe to: OpenAI's names, then Offpeak's extensions (a
+#: batch paused or resumed, ``POST /v1/batches/{id}/pause``), in the same shape.
+EVENT_TYPES = (
+    "batch.completed",
+    "batch.failed",
+    "batch.expired",
+    "batch.cancelled",
+    "batch.paused",
+    "batch.resumed",
+)
 #: The event a batch's final status sends.
 EVENT_OF_STATUS = {
     BatchStatus.COMPLETED: "batch.completed",

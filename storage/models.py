@@ -60,7 +60,8 @@ class Tenant(Base):
     #: The tenant's share of the engines against other tenants with work waiting (weighted fair
     #: sharing: a tenant of weight 2 gets twice the engine time of one of weight 1).
     weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
-    # Per-tenant overrides of the quota and rate-limit defaults in settings; None: the default.
+    # Per-tenant overrides of the quota and rate-limit defaults in settings; None: the default,
+    # -1 (``offpeak.tenant_limits.UNLIMITED``): no limit.
     #: Enqueued tokens (prompt + requested output of lines not yet finished) per model.
     max_enqueued_tokens: Mapped[int | None] = mapped_column(BigInteger)
     #: Batches validating, in progress or finalizing at once.
@@ -69,6 +70,8 @@ class Tenant(Base):
     max_file_bytes: Mapped[int | None] = mapped_column(BigInteger)
     #: API requests per minute per key.
     requests_per_minute: Mapped[int | None] = mapped_column(Integer)
+    #: Batch creates per minute, all the tenant's keys together.
+    batch_creates_per_minute: Mapped[int | None] = mapped_column(Integer)
 
 
 class ApiKey(Base):
@@ -125,6 +128,9 @@ class Batch(Base):
     model: Mapped[str | None] = mapped_column(String(200))
     input_file_id: Mapped[str] = mapped_column(String(64))
     completion_window: Mapped[str] = mapped_column(String(16))
+    #: The window's length in seconds, parsed from ``completion_window`` once at create: the
+    #: deadline guard and billing read it, so a window this server no longer allows still counts.
+    window_seconds: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16), index=True)
     output_file_id: Mapped[str | None] = mapped_column(String(64))
     error_file_id: Mapped[str | None] = mapped_column(String(64))
@@ -154,6 +160,9 @@ class Batch(Base):
     input_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    #: Prompt tokens of the answered lines with each prefix group's shared prefix (as the prefix
+    #: cache found it) counted once: the least the engine could have computed. Set at finalize.
+    min_prompt_tokens: Mapped[int | None] = mapped_column(BigInteger)
     #: The scheduler's estimate (unix seconds) of when the batch's last line will finish, refreshed
     #: by the workers and the sweep; the API shows it and the slack ``expires_at`` minus it.
     estimated_completion_at: Mapped[float | None] = mapped_column(Float)
@@ -168,6 +177,18 @@ class Batch(Base):
     #: (``offpeak.enqueued``); ``None`` before. Its unfinished lines' share is what the batch
     #: holds of its tenant's enqueued-token quota (``storage.repositories.quotas``).
     enqueued_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    #: Unix seconds the batch was paused (``POST /v1/batches/{id}/pause``), ``None`` while it is
+    #: not: a paused batch stays ``in_progress`` and its window runs, but no claim takes its lines.
+    paused_at: Mapped[int | None] = mapped_column(BigInteger)
+    #: How many writes have ended lines of the batch: each takes the next number, under the
+    #: batch's row lock, for the lines it ends (``RequestLine.finished_seq``).
+    results_seq: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    #: The batch's breaker, ``offpeak.failure_limit.FailureLimit``'s fields (``None``: none),
+    #: and when it tripped (unix seconds): the batch is then ``cancelling`` and ends ``failed``.
+    failure_limit: Mapped[dict[str, Any] | None] = mapped_column(
+        JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
+    )
+    failure_limit_reached_at: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (Index("ix_batches_tenant_id", "tenant_id", "id"),)
 
@@ -184,6 +205,13 @@ class Batch(Base):
     @classmethod
     def _ended_at_expression(cls) -> ColumnElement[int | None]:
         return func.coalesce(cls.completed_at, cls.expired_at, cls.cancelled_at, cls.failed_at)
+
+
+#: The output line ``id`` of a stored record (``offpeak.endpoints.records``: its ``line_id``, in
+#: its first 400 characters whatever the model's name), as SQL; ``NULL`` for a row stored already
+#: rendered (before records) or with nothing stored.
+#: Written as PostgreSQL shows the index's expression back, so the schema compares equal.
+STORED_LINE_ID = """"substring"("left"(result, 400), '"line_id":"([^"]+)"'::text)"""
 
 
 class RequestLine(Base):
@@ -204,6 +232,9 @@ class RequestLine(Base):
     #: The batch's ``expires_at``, copied so the claim query orders by deadline without a join.
     deadline: Mapped[int] = mapped_column(BigInteger)
     line_json: Mapped[str] = mapped_column(Text)
+    #: Lines whose prompts start alike share it (``workers.scheduler.prefix_groups``); claims
+    #: take lines in (deadline, prefix_group, id) order, a group's lines together.
+    prefix_group: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
     #: pending → running → succeeded | failed; or cancelled / expired when it never ran.
     status: Mapped[str] = mapped_column(String(16), default=LineStatus.PENDING)
     status_code: Mapped[int | None] = mapped_column(Integer)
@@ -211,25 +242,49 @@ class RequestLine(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    #: The LoRA adapter the line names as its ``model`` (it runs on ``model``, the adapter's
+    #: base); ``None`` for the base model itself.
+    adapter: Mapped[str | None] = mapped_column(String(200))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     lease_owner: Mapped[str | None] = mapped_column(String(128))
     lease_expires_at: Mapped[float | None] = mapped_column(Float)
     finished_at: Mapped[float | None] = mapped_column(Float)
+    #: Where the line stands in the order its batch's results become readable
+    #: (``storage.repositories.results``): the batch's ``results_seq`` that the write ending it
+    #: took; ``None`` until it ends.
+    finished_seq: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (
         UniqueConstraint("batch_id", "line", name="uq_requests_batch_line"),
         Index("ix_requests_batch_status", "batch_id", "status"),
-        Index("ix_requests_claim", "model", "status", "deadline", "id"),
+        Index("ix_requests_claim", "model", "status", "deadline", "prefix_group", "id"),
         # A batch's pending lines in claim order, for the fair share's per-batch probe: only
         # pending entries, so the probe never walks past the lines claimed before it.
         Index(
             "ix_requests_pending",
             "batch_id",
             "deadline",
+            "prefix_group",
             "id",
             postgresql_where=text("status = 'pending'"),
             sqlite_where=text("status = 'pending'"),
         ),
+        # A batch's ended lines in the order its results are read while it runs.
+        Index(
+            "ix_requests_finished",
+            "batch_id",
+            "finished_seq",
+            "id",
+            postgresql_where=text("finished_seq IS NOT NULL"),
+            sqlite_where=text("finished_seq IS NOT NULL"),
+        ),
+        # A results page's cursor (an output line's id) found in the stored records.
+        Index(
+            "ix_requests_line_id",
+            "batch_id",
+            text(STORED_LINE_ID),
+            postgresql_where=text("finished_seq IS NOT NULL"),
+        ).ddl_if(dialect="postgresql"),
     )
 
 
@@ -338,6 +393,48 @@ class LedgerEntry(Base):
     realtime_price: Mapped[Decimal] = mapped_column(Money)
 
     __table_args__ = (Index("ix_ledger_entries_tenant_ended", "tenant_id", "ended_at"),)
+
+
+class LedgerAdapterUsage(Base):
+    """A batch's bill split by LoRA adapter, written with its ``LedgerEntry`` (``key``) and
+    frozen like it: one row per adapter its succeeded lines named; ``adapter`` ``""`` is the
+    base model's lines. Engine seconds and cost are the entry's, shared by weighted tokens."""
+
+    __tablename__ = "ledger_adapter_usage"
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
+    key: Mapped[str] = mapped_column(String(200))
+    tenant_id: Mapped[str] = mapped_column(String(64))
+    batch_id: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str | None] = mapped_column(String(200))
+    adapter: Mapped[str] = mapped_column(String(200))
+    ended_at: Mapped[int] = mapped_column(BigInteger)
+    requests: Mapped[int] = mapped_column(Integer)
+    input_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
+    gpu_seconds: Mapped[float] = mapped_column(Float)
+    cost: Mapped[Decimal] = mapped_column(Money)
+    price: Mapped[Decimal] = mapped_column(Money)
+    realtime_price: Mapped[Decimal] = mapped_column(Money)
+
+    __table_args__ = (
+        UniqueConstraint("key", "adapter", name="uq_ledger_adapter_usage_key_adapter"),
+        Index("ix_ledger_adapter_usage_tenant_ended", "tenant_id", "ended_at"),
+    )
+
+
+class LoraAdapter(Base):
+    """A LoRA adapter registered at run time (``/v1/admin/adapters``), served on ``base_model``
+    under ``name`` beside the adapters of the configuration (``ModelConfig.lora_modules``)."""
+
+    __tablename__ = "lora_adapters"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    base_model: Mapped[str] = mapped_column(String(200))
+    #: A local PEFT adapter folder, or ``blob:<prefix>`` in the file store.
+    path: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[int] = mapped_column(BigInteger)
 
 
 class LoadSample(Base):

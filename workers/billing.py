@@ -15,8 +15,10 @@ import logging
 import time
 from decimal import Decimal
 
-from offpeak.billing import MONEY_DIGITS, bill, token_weights
-from offpeak.settings import Settings, window_seconds
+from sqlalchemy.orm import Session
+
+from offpeak.billing import MONEY_DIGITS, Bill, bill, token_weights
+from offpeak.settings import Settings
 from offpeak.statuses import BatchStatus
 from storage.db import session_scope
 from storage.models import Batch
@@ -38,13 +40,6 @@ def ledger_ended_at(batch: Batch) -> int:
     if ended is not None:
         return ended
     return batch.finalizing_at or batch.created_at
-
-
-def _window(batch: Batch) -> int:
-    try:
-        return window_seconds(batch.completion_window)
-    except ValueError:
-        return 0
 
 
 def _money(amount: float) -> Decimal:
@@ -85,7 +80,7 @@ def bill_batch(settings: Settings, batch_id: str) -> bool:
                 "status": batch.status,
                 "created_at": batch.created_at,
                 "ended_at": ended,
-                "window_seconds": _window(batch),
+                "window_seconds": batch.window_seconds,
                 "billed_at": billed_at,
                 "requests": batch.completed,
                 "input_tokens": batch.input_tokens,
@@ -97,7 +92,12 @@ def bill_batch(settings: Settings, batch_id: str) -> bool:
                 "realtime_price": _money(figures.realtime_price),
             },
         )
-        share = (ended - batch.created_at) / _window(batch) if _window(batch) else None
+        if inserted:
+            billing_repo.insert_adapter_usage(
+                session, _adapter_split(session, settings, batch, seconds, figures, ended)
+            )
+        window = batch.window_seconds
+        share = (ended - batch.created_at) / window if window else None
         status = batch.status
     if inserted:
         metrics.observe_billed(status, share if status == BatchStatus.COMPLETED else None)
@@ -111,6 +111,46 @@ def bill_batch(settings: Settings, batch_id: str) -> bool:
             figures.realtime_price,
         )
     return inserted
+
+
+def _adapter_split(
+    session: Session,
+    settings: Settings,
+    batch: Batch,
+    seconds: dict[str, float],
+    figures: Bill,
+    ended: int,
+) -> list[dict[str, object]]:
+    """The bill's split by LoRA adapter (``LedgerAdapterUsage`` rows): each adapter's lines'
+    tokens priced at the base model's prices; its engine seconds, and their cost, are the
+    batch's shared by total tokens (the lines of one batch run side by side in the same chunks).
+    """
+    rows = billing_repo.adapter_tokens(session, batch.id)
+    total = sum(prompt + completion for _a, _n, prompt, _c, completion in rows)
+    split = []
+    for adapter, requests, prompt, cached, completion in rows:
+        share = (prompt + completion) / total if total else 1 / len(rows)
+        part = bill(settings, batch.model, {k: v * share for k, v in seconds.items()},
+                    prompt, cached, completion)  # fmt: skip
+        split.append(
+            {
+                "key": billing_repo.batch_key(batch.id),
+                "tenant_id": batch.tenant_id,
+                "batch_id": batch.id,
+                "model": batch.model,
+                "adapter": adapter,
+                "ended_at": ended,
+                "requests": requests,
+                "input_tokens": prompt,
+                "cached_tokens": cached,
+                "output_tokens": completion,
+                "gpu_seconds": figures.gpu_seconds * share,
+                "cost": _money(part.cost),
+                "price": _money(part.price),
+                "realtime_price": _money(part.realtime_price),
+            }
+        )
+    return split
 
 
 def bill_safely(settings: Settings, batch_id: str) -> bool:

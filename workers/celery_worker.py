@@ -1,4 +1,4 @@
-"""The Celery worker: the shared app (``offpeak.celery_app``) with the tasks registered
+"""The Celery worker: the workers' app (``workers.worker_app``) with the tasks registered
 (``celery -A workers.celery_worker worker``), and how a worker process stops
 (``install_stop_handling``, called by ``offpeak worker``)."""
 
@@ -7,23 +7,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
-from offpeak.celery_app import make_celery
-from offpeak.settings import get_settings
-
-app = make_celery(get_settings())
-app.conf.beat_schedule = {
-    "sweep": {"task": "offpeak.sweep", "schedule": get_settings().sweep_seconds},
-}
-app.conf.beat_schedule_filename = str(get_settings().data_dir.resolve() / "celerybeat-schedule")
-
-import workers.liveness  # noqa: E402,F401  (registers and heartbeats the worker when ready)
-import workers.tasks  # noqa: E402,F401  (registers the tasks on ``app``)
-from workers import profiling  # noqa: E402
+import workers.liveness  # noqa: F401  (registers and heartbeats the worker when ready)
+import workers.tasks  # noqa: F401  (registers the tasks on ``app``)
+from workers import profiling
+from workers.worker_app import app
 
 profiling.install()  # only with OFFPEAK_PROFILE_DIR set (the benchmarks' --profile)
 
@@ -46,15 +39,17 @@ def force_exit(reason: str) -> None:
         os._exit(EXIT_FORCED)
 
 
-def install_stop_handling(role: str, stop_timeout: float) -> None:
+def install_stop_handling(
+    role: str, stop_timeout: float, on_shutdown: Callable[[], None] | None = None
+) -> None:
     """How this worker process answers SIGTERM, SIGINT and SIGQUIT once Celery runs.
 
     First signal: Celery starts its warm shutdown (it stops taking messages and waits for the
     task that runs) and ``workers.lifecycle.request_stop`` tells the runner to write back what
     finished, hand its held lines back to pending and return; after ``stop_timeout`` seconds
     without exiting, ``force_exit``. Any later signal: ``force_exit`` at once. When the worker
-    shuts down, its engines are closed in parallel and every process they started ends, by the
-    stop deadline (``workers.shutdown``). A control worker runs beat in a thread
+    shuts down, ``on_shutdown`` runs (an engine worker's: ``EngineWorker.stop`` by the stop
+    deadline, ``workers.engine_worker``). A control worker runs beat in a thread
     (``workers.beat``), started when the worker is ready.
     """
     from workers import lifecycle
@@ -77,11 +72,11 @@ def install_stop_handling(role: str, stop_timeout: float) -> None:
         timer.daemon = True
         timer.start()
 
-    @worker_shutdown.connect(weak=False)
-    def _close_engines(**_kwargs: Any) -> None:
-        from workers import shutdown
+    if on_shutdown is not None:
 
-        shutdown.stop_engines(lifecycle.stop_deadline())
+        @worker_shutdown.connect(weak=False)
+        def _shut_down(**_kwargs: Any) -> None:
+            on_shutdown()
 
     if role == "control":
         from workers.beat import BeatThread

@@ -51,9 +51,12 @@ class ModelTokenizer:
         #: reads the pooling engine's); ``None`` for a text model.
         self.embedding_size = embedding_size
         self._template = TemplateTokenizer(tokenizer, thread_safe=True)
+        self.vocab_size: int | None = self._template.vocab_size
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self._template.encode_chat(messages)
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return self._template.encode_chat(messages, tools)
 
     def encode_text(self, text: str) -> list[int]:
         return self._template.encode_text(text)

@@ -12,8 +12,8 @@ from typing import IO
 
 from sqlalchemy.orm import Session
 
-from offpeak import endpoints, wire
-from offpeak.endpoints import anthropic_messages, records
+from offpeak.endpoints import anthropic_messages, batch_lines, records
+from offpeak.failure_limit import FailureLimit, error_entry
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings
 from offpeak.statuses import BatchStatus, LineStatus
@@ -27,15 +27,12 @@ from workers import billing, webhook_delivery
 
 log = logging.getLogger(__name__)
 
-_NEVER_RAN: dict[str, tuple[str, str]] = {
-    LineStatus.CANCELLED: (
-        wire.BATCH_CANCELLED,
-        "This request was not run because the batch was cancelled.",
-    ),
-    LineStatus.EXPIRED: (
-        wire.BATCH_EXPIRED,
-        "This request could not be executed before the completion window expired.",
-    ),
+#: The status the lines left unrun take, by the batch's final status.
+_UNRUN_LINES = {
+    BatchStatus.CANCELLED: LineStatus.CANCELLED,
+    BatchStatus.EXPIRED: LineStatus.EXPIRED,
+    # Stopped by its breaker (``offpeak.failure_limit``): the rest is cancelled.
+    BatchStatus.FAILED: LineStatus.CANCELLED,
 }
 
 
@@ -80,17 +77,13 @@ def _write_files(session: Session, blobs: BlobStore, batch: Batch) -> None:
     with blobs.writer(out_key) as out_file, blobs.writer(err_key) as err_file:
         out, err = _Lines(out_file), _Lines(err_file)
         for custom_id, status, result in requests_repo.iter_finished(session, batch.id):
-            if status == LineStatus.SUCCEEDED:
-                out.add(endpoints.openai_line(custom_id, result) if result else b"")
+            if status == LineStatus.SUCCEEDED and not result:
+                out.add(b"")
                 continue
-            if status == LineStatus.FAILED and result:
-                line = endpoints.openai_line(custom_id, result)
-            elif status in _NEVER_RAN:
-                line_id = wire.derived_id("batch_req_", batch.id, custom_id)
-                line = wire.never_ran_line(custom_id, *_NEVER_RAN[status], line_id=line_id)
-            else:
-                continue  # pending/running rows do not exist once a batch is ending
-            err.add(line)
+            # pending/running rows do not exist once a batch is ending
+            line = batch_lines.batch_line(batch.id, custom_id, status, result)
+            if line is not None:
+                (out if line.file == "output" else err).add(line.json)
         out.flush()
         err.flush()
     _keep_file(session, blobs, batch, (out.bytes, out_key, "output", "output_file_id"))
@@ -194,7 +187,9 @@ def _advance(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
       ``batch_expired`` → ``expired``; with every line finished it ends ``completed`` (a finalize
       that runs late, the control worker down at the deadline, changes nothing).
     - ``cancelling`` → unrun lines become ``batch_cancelled`` → ``cancelled``, once no worker
-      still holds a live lease on one of its lines (``retry_in`` says when to look again).
+      still holds a live lease on one of its lines (``retry_in`` says when to look again);
+      ``failed`` instead, with its ``errors`` entry, when its breaker stopped it
+      (``offpeak.failure_limit``).
     """
     url = settings.resolved_database_url
     with session_scope(url) as session:
@@ -211,18 +206,19 @@ def _advance(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
         ):
             target = BatchStatus.EXPIRED
         elif batch.status == BatchStatus.CANCELLING:
-            target = BatchStatus.CANCELLED
+            stopped = batch.failure_limit_reached_at is not None
+            target = BatchStatus.FAILED if stopped else BatchStatus.CANCELLED
         else:
             target = BatchStatus.COMPLETED
-        if target in _NEVER_RAN:
-            requests_repo.end_unfinished(session, batch_id, LineStatus(target), at)
+        if target in _UNRUN_LINES:
+            requests_repo.end_unfinished(session, batch_id, _UNRUN_LINES[target], at)
         unfinished = batches_repo.unfinished_by_status(session, batch_id)
         if unfinished:
             # Lines still pending or held by a live worker: that worker finishes or aborts them.
             batches_repo.refresh_counts(session, [batch_id])
             if target == BatchStatus.COMPLETED:
                 return Step(done=False)  # the drain that finishes the lines sends the finalize
-            since = batch.cancelling_at if target == BatchStatus.CANCELLED else batch.expires_at
+            since = batch.expires_at if target == BatchStatus.EXPIRED else batch.cancelling_at
             return Step(done=False, retry_in=_retry_in(at - (since or at)))
         if target == BatchStatus.COMPLETED and batch.status == BatchStatus.IN_PROGRESS:
             batch.status, batch.finalizing_at = BatchStatus.FINALIZING, now()
@@ -233,6 +229,7 @@ def _advance(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
             return Step(done=True)
         batches_repo.refresh_counts(session, [batch_id])
         session.refresh(batch)
+        batch.min_prompt_tokens = batches_repo.min_prompt_tokens(session, batch_id)
         _write_files(session, blobs, batch)
         _set_output_expiry(session, settings, batch)
         stamp = now()
@@ -240,7 +237,10 @@ def _advance(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
             BatchStatus.COMPLETED: "completed_at",
             BatchStatus.EXPIRED: "expired_at",
             BatchStatus.CANCELLED: "cancelled_at",
+            BatchStatus.FAILED: "failed_at",
         }
+        if target == BatchStatus.FAILED:
+            batch.errors = [_breaker_error(session, batch)]
         batch.status = target
         setattr(batch, final[target], stamp)
         # The outbox row commits with the status, never an HTTP call under this lock.
@@ -249,6 +249,15 @@ def _advance(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:
             "batch %s %s: %d completed, %d failed", batch_id, target, batch.completed, batch.failed
         )
     return Step(done=True)
+
+
+def _breaker_error(session: Session, batch: Batch) -> dict[str, object]:
+    """The ``errors.data`` entry of a batch its breaker stopped, with its lines' counts."""
+    counts = batches_repo.line_counts(session, batch.id)
+    failed = counts.get(LineStatus.FAILED, 0)
+    ran = counts.get(LineStatus.SUCCEEDED, 0) + failed
+    limit = FailureLimit.model_validate(batch.failure_limit)
+    return error_entry(limit, ran, failed, counts.get(LineStatus.CANCELLED, 0))
 
 
 def finalize(settings: Settings, blobs: BlobStore, batch_id: str) -> Step:

@@ -88,17 +88,15 @@ def wait_gone(procs: list[psutil.Process], until: float) -> list[psutil.Process]
         psutil.wait_procs(left, timeout=min(0.2, max(0.0, until - time.monotonic())))
 
 
-def stop_engines(deadline: float | None) -> None:
-    """This worker process's last act on its engines: close every loaded engine in parallel and
-    end every process they started, all by ``deadline`` (``time.monotonic()``). Clean closes
-    get until ``KILL_RESERVE`` seconds before it, then what is left of the processes gets
-    SIGKILL. ``None``: the closes take what they take and the processes get
-    ``UNBOUNDED_GRACE`` seconds after them. Never raises."""
-    from workers.engine import registry
-
+def stop_engines(engines: Mapping[str, Engine], deadline: float | None) -> None:
+    """A worker process's last act on its engines (``workers.engine_worker.EngineWorker.stop``):
+    close every engine of ``engines`` in parallel and end every process this one started, all
+    by ``deadline`` (``time.monotonic()``). Clean closes get until ``KILL_RESERVE`` seconds
+    before it, then what is left of the processes gets SIGKILL. ``None``: the closes take what
+    they take and the processes get ``UNBOUNDED_GRACE`` seconds after them. Never raises."""
     procs = engine_processes()  # before the closes: an orphaned model runner stays tracked
     clean_until = None if deadline is None else deadline - KILL_RESERVE
-    late = registry.close_all(clean_until)
+    late = close_engines(engines, clean_until)
     if late:
         log.warning("engines not closed in time, killing their processes: %s", ", ".join(late))
     if clean_until is None:

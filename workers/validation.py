@@ -8,6 +8,7 @@ never held in memory. Rules and error codes follow ``shared/docs/batch-api.md``;
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +25,14 @@ from offpeak.statuses import BatchStatus
 from storage.blobs import BlobStore
 from storage.db import session_scope
 from storage.models import Batch
+from storage.repositories import adapters as adapters_repo
 from storage.repositories import batches as batches_repo
 from storage.repositories import files as files_repo
 from storage.repositories import intake as intake_repo
 from storage.repositories import quotas as quotas_repo
 from workers import webhook_delivery
+from workers.custom_ids import CustomIdHashes, duplicates
+from workers.scheduler.prefix_groups import NO_GROUP, prefix_group
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +115,7 @@ class _Checker:
         served_models: set[str],
         settings: Settings,
         model: str | None = None,
+        adapters: dict[str, str] | None = None,
     ) -> None:
         self.endpoint = endpoint
         # The endpoint's own rules run when a line runs (each fails that line alone); the file
@@ -126,49 +131,81 @@ class _Checker:
             served.max_requests_per_batch if served and served.max_requests_per_batch else None
         ) or settings.max_requests_per_batch
         self.served = served_models
+        #: LoRA adapters' base models by adapter name: a line naming one runs on its base.
+        self.adapters = adapters or {}
+        #: The last checked line's adapter (``None``: it names the base model).
+        self.adapter: str | None = None
         self.settings = settings
         #: The batch's model: the first line's, or the one set when the batch was created.
         self.model: str | None = model
-        self.custom_ids: set[str] = set()
+        self.custom_ids = CustomIdHashes()
+        #: The number of the last line checked.
+        self.last_number = 0
         #: Enqueued tokens of the lines found valid so far (``offpeak.enqueued``).
         self.enqueued_tokens = 0
+        #: The last valid line's prefix group (``workers.scheduler.prefix_groups``).
+        self.prefix_group = NO_GROUP
 
-    def check(self, number: int, raw: bytes) -> tuple[dict[str, Any] | None, str]:
-        """The line's problem (a ``batch.errors.data`` entry) or ``None``, and its custom_id."""
+    def identify(
+        self, number: int, raw: bytes
+    ) -> tuple[dict[str, Any] | None, str, dict[str, Any] | None]:
+        """The line's problem before its custom_id is known (``None`` when it has none), its
+        custom_id (``""`` with a problem) and the line parsed."""
         try:
             line = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            return wire.batch_error(
-                wire.INVALID_JSON_LINE, f"Line {number} is not valid JSON: {exc}.", number
-            ), ""
+            return (
+                wire.batch_error(
+                    wire.INVALID_JSON_LINE, f"Line {number} is not valid JSON: {exc}.", number
+                ),
+                "",
+                None,
+            )
         if not isinstance(line, dict):
-            return wire.batch_error(
-                wire.INVALID_JSON_LINE, f"Line {number} must be a JSON object.", number
-            ), ""
+            return (
+                wire.batch_error(
+                    wire.INVALID_JSON_LINE, f"Line {number} must be a JSON object.", number
+                ),
+                "",
+                None,
+            )
         missing = self._missing(line, number)
         if missing:
-            return missing, ""
+            return missing, "", None
         custom_id = line["custom_id"]
         if not isinstance(custom_id, str) or not custom_id:
-            return wire.batch_error(
-                wire.INVALID_REQUEST, "custom_id must be a non-empty string.", number, "custom_id"
-            ), ""
+            return (
+                wire.batch_error(
+                    wire.INVALID_REQUEST,
+                    "custom_id must be a non-empty string.",
+                    number,
+                    "custom_id",
+                ),
+                "",
+                None,
+            )
         if "\x00" in custom_id:
             # Neither PostgreSQL text nor most clients' join keys survive a NUL character.
-            return wire.batch_error(
-                wire.INVALID_REQUEST,
-                "custom_id must not contain NUL characters.",
-                number,
-                "custom_id",
-            ), ""
-        if custom_id in self.custom_ids:
-            return wire.batch_error(
-                wire.DUPLICATE_CUSTOM_ID,
-                f"custom_id {custom_id!r} appears more than once in the file; "
-                "each request line needs its own.",
-                number,
-                "custom_id",
-            ), ""
+            return (
+                wire.batch_error(
+                    wire.INVALID_REQUEST,
+                    "custom_id must not contain NUL characters.",
+                    number,
+                    "custom_id",
+                ),
+                "",
+                None,
+            )
+        return None, custom_id, line
+
+    def check(self, number: int, raw: bytes) -> tuple[dict[str, Any] | None, str]:
+        """The line's problem (a ``batch.errors.data`` entry) or ``None``, and its custom_id.
+        A valid line's prefix group is left in ``prefix_group``. A repeated custom_id is not
+        a problem here: ``duplicate_errors`` finds it once the file has been read."""
+        self.last_number = number
+        problem, custom_id, line = self.identify(number, raw)
+        if problem is not None or line is None:
+            return problem, ""
         self.custom_ids.add(custom_id)
         if line["method"] != "POST":
             return wire.batch_error(
@@ -181,9 +218,11 @@ class _Checker:
                 number,
                 "url",
             ), custom_id
+        self.adapter = None
         problem = self._check_body(line["body"], number)
         if problem is None:
             self._count(line["body"], len(raw))
+            self.prefix_group = prefix_group(line["body"])
         return problem, custom_id
 
     def _count(self, body: dict[str, Any], line_bytes: int) -> None:
@@ -226,7 +265,7 @@ class _Checker:
             return wire.batch_error(
                 wire.MISSING_REQUIRED_PARAMETER, "body.model is required.", number, "body.model"
             )
-        if not isinstance(model, str) or model not in self.served:
+        if not isinstance(model, str) or (model not in self.served and model not in self.adapters):
             return wire.batch_error(
                 wire.MODEL_NOT_FOUND,
                 # OpenAI's recorded wording, which clients and peer test suites match on.
@@ -235,16 +274,20 @@ class _Checker:
                 number,
                 "body.model",
             )
+        # An adapter runs on its base model: lines of one base and its adapters mix freely.
+        base = self.adapters.get(model, model)
         if self.model is None:
-            self.model = model
-        elif model != self.model:
+            self.model = base
+        elif base != self.model:
+            of = f" (an adapter of {base!r})" if base != model else ""
             return wire.batch_error(
                 wire.MISMATCHED_MODEL,
-                f"A batch runs one model: this line asks for {model!r}, earlier "
-                f"lines for {self.model!r}.",
+                f"A batch runs one model and its LoRA adapters: this line asks for {model!r}"
+                f"{of}, earlier lines for {self.model!r}.",
                 number,
                 "body.model",
             )
+        self.adapter = model if model != base else None
         for needed in self.required_fields:
             if body.get(needed) is None:
                 return wire.batch_error(
@@ -267,10 +310,14 @@ def validate_into_rows(
     inserted.
     """
     outcome = Outcome()
-    checker = _Checker(batch.endpoint, set(settings.models), settings, batch.model)
+    adapters = {a.name: a.base_model for a in adapters_repo.served(session, settings).values()}
+    checker = _Checker(batch.endpoint, set(settings.models), settings, batch.model, adapters)
     intake_repo.bulk_insert(
         session, _valid_rows(blobs, settings, batch, blob_key, checker, outcome)
     )
+    repeated = checker.custom_ids.repeated()
+    if repeated:
+        _add_duplicate_errors(blobs, settings, blob_key, checker, outcome, repeated)
     if outcome.total == 0 and not outcome.errors:
         outcome.errors.append(
             wire.batch_error(wire.EMPTY_FILE, "The input file holds no request lines.")
@@ -280,6 +327,40 @@ def validate_into_rows(
     return outcome
 
 
+def _add_duplicate_errors(
+    blobs: BlobStore,
+    settings: Settings,
+    blob_key: str,
+    checker: _Checker,
+    outcome: Outcome,
+    repeated: set[int],
+) -> None:
+    """Read the file again up to the last line checked for the lines whose custom_id hashes to
+    one of ``repeated``; each that repeats an earlier line's becomes that line's error (in place
+    of another it had: a repeated id is what the line is told first), and ``outcome.errors``
+    stays the file's first ``max_validation_errors`` in line order, as one pass would find them.
+    """
+    lines = (
+        (number, raw)
+        for number, raw in iter_lines(blobs.iter_chunks(blob_key), settings.max_line_bytes)
+        if number <= checker.last_number and raw is not None and raw.strip()
+    )
+    found = duplicates(lines, lambda n, raw: checker.identify(n, raw)[1], repeated)
+    if not found:
+        return
+    by_line = {e.get("line"): e for e in outcome.errors}
+    for number, custom_id in found:
+        by_line[number] = wire.batch_error(
+            wire.DUPLICATE_CUSTOM_ID,
+            f"custom_id {custom_id!r} appears more than once in the file; "
+            "each request line needs its own.",
+            number,
+            "custom_id",
+        )
+    ordered = sorted(by_line.values(), key=lambda e: e.get("line") or 0)
+    outcome.errors = ordered[: settings.max_validation_errors]
+
+
 def _valid_rows(
     blobs: BlobStore,
     settings: Settings,
@@ -287,7 +368,7 @@ def _valid_rows(
     blob_key: str,
     checker: _Checker,
     outcome: Outcome,
-) -> Iterator[tuple[str, int, str, str, int, str]]:
+) -> Iterator[intake_repo.IntakeRow]:
     """The request rows of the file's lines (``intake_repo.INTAKE_COLUMNS`` order), recording
     problems and the request count in ``outcome``; yields nothing once a problem is found."""
     batch_id, deadline = batch.id, batch.expires_at
@@ -340,7 +421,8 @@ def _valid_rows(
             return
         if not outcome.errors:
             assert checker.model is not None
-            yield (batch_id, number, custom_id, checker.model, deadline, raw.decode())
+            row = (batch_id, number, custom_id, checker.model, deadline, raw.decode())
+            yield (*row, checker.prefix_group, checker.adapter)
 
 
 def run_validation(settings: Settings, blobs: BlobStore, batch_id: str) -> str | None:
@@ -426,13 +508,19 @@ def _over_token_quota(
     session: Session, settings: Settings, batch: Batch, outcome: Outcome
 ) -> list[dict[str, Any]]:
     """``[token_limit_exceeded entry]`` when the batch's enqueued tokens and those its tenant's
-    running batches of the model still hold pass the tenant's ``max_enqueued_tokens``, else
+    running batches of the model still hold pass the tenant's ``max_enqueued_tokens`` (derived:
+    a day of one engine's measured output of the model, ``offpeak.tenant_limits``), else
     ``[]``. Locks the tenant's row until the transaction ends, so two validations of one
     tenant take turns here and the second counts the first's batch (``quotas_repo``)."""
-    limit = tenant_limits.resolve(
-        quotas_repo.lock_tenant(session, batch.tenant_id), settings.limits
-    ).max_enqueued_tokens
-    if limit is None or outcome.model is None:
+    tenant = quotas_repo.lock_tenant(session, batch.tenant_id)
+    if outcome.model is None:
+        return []
+    rate = None
+    if tenant_limits.enqueued_is_derived(tenant, settings.limits):
+        since = time.time() - settings.scheduler.throughput_window_seconds
+        rate = quotas_repo.engine_tokens_per_second(session, outcome.model, since)
+    limit = tenant_limits.resolve(tenant, settings.limits, rate).max_enqueued_tokens
+    if limit is None:
         return []
     held = quotas_repo.enqueued_tokens(session, batch.tenant_id, outcome.model)
     if held + outcome.enqueued_tokens <= limit:
@@ -441,12 +529,13 @@ def _over_token_quota(
         "batch %s refused: %d enqueued tokens held + %d asked > %d",
         batch.id, held, outcome.enqueued_tokens, limit,
     )  # fmt: skip
-    # OpenAI's wording, which clients match on.
+    # OpenAI's wording, which clients match on; the organization by the name its users know.
+    organization = tenant.name if tenant is not None else batch.tenant_id
     return [
         wire.batch_error(
             wire.TOKEN_LIMIT_EXCEEDED,
             f"Enqueued token limit reached for {outcome.model} in organization "
-            f"{batch.tenant_id}. Limit: {limit:,} enqueued tokens. Please try again once some "
+            f"{organization}. Limit: {limit:,} enqueued tokens. Please try again once some "
             "in_progress batches have been completed.",
         )
     ]

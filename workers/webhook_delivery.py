@@ -21,11 +21,9 @@ from functools import partial
 from sqlalchemy.orm import Session
 
 from offpeak import webhook_protocol, webhook_target
-from offpeak.endpoints import BATCH_ENDPOINTS
-from offpeak.ids import new_id, now
 from offpeak.settings import Settings
-from storage import task_messages
-from storage.db import after_commit, session_scope
+from storage import webhook_events
+from storage.db import session_scope
 from storage.models import Batch
 from storage.repositories import webhooks as webhooks_repo
 
@@ -43,30 +41,8 @@ def record_final(session: Session, settings: Settings, batch: Batch) -> None:
     status), and send the delivery task once it commits. A batch that already has the event
     (finalize running again) gets no second one: ``dedupe_key`` is unique."""
     event_type = webhook_protocol.EVENT_OF_STATUS.get(batch.status)  # type: ignore[call-overload]
-    if event_type is None or batch.endpoint not in BATCH_ENDPOINTS:
-        # OpenAI's events name /v1/batches objects; a Message Batch (Anthropic's surface, which
-        # has no webhooks) would send an id that /v1/batches answers with a 404.
-        return
-    endpoint_ids = webhooks_repo.subscribed_endpoint_ids(session, batch.tenant_id, event_type)
-    if not endpoint_ids:
-        return
-    event_id, created, at = new_id("evt_"), now(), time.time()
-    added = webhooks_repo.add_event(
-        session,
-        tenant_id=batch.tenant_id,
-        event_id=event_id,
-        event_type=event_type,
-        object_id=batch.id,
-        body=webhook_protocol.event_body(event_id, event_type, created, batch.id),
-        created_at=created,
-        dedupe_key=f"{event_type}:{batch.id}",
-        endpoint_ids=endpoint_ids,
-        at=at,
-        give_up_at=at + settings.webhook_retry_hours * 3600,
-    )
-    if added:
-        send = partial(task_messages.send_deliver_webhooks, settings)
-        after_commit(session, send, f"sending deliver_webhooks for {event_id}")
+    if event_type is not None:
+        webhook_events.record(session, settings, batch, event_type, f"{event_type}:{batch.id}")
 
 
 def attempt(settings: Settings, due: webhooks_repo.DueDelivery) -> webhook_target.Attempt:

@@ -1,5 +1,6 @@
 """``/v1/admin/scheduler``: pause and resume batch work, and the scheduler's view;
-``/v1/admin/tenants``: every tenant's weight, limits and use, and setting its overrides.
+``/v1/admin/tenants``: every tenant's weight, limits and use, and setting its overrides;
+``/v1/admin/adapters``: LoRA adapters registered on the running service.
 
 Guarded by the admin key (``OFFPEAK_ADMIN_API_KEY``), not a tenant's: both affect everyone.
 """
@@ -14,6 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from api import gate
 from api.deps import SessionDep, SettingsDep
 from api.errors import Unauthorized, error_responses
+from api.schemas.adapters import AdapterDeleted, AdapterList, AdapterView, AddAdapter
 from api.schemas.admin import (
     PauseRequest,
     PauseSwitch,
@@ -23,11 +25,13 @@ from api.schemas.admin import (
     TenantUpdate,
     TenantView,
 )
+from api.services import adapters as adapters_service
 from api.services import admin as admin_service
 from api.services import tenants as tenants_service
 
 router = APIRouter(prefix="/v1/admin/scheduler", tags=["admin"])
 tenants_router = APIRouter(prefix="/v1/admin/tenants", tags=["admin"])
+adapters_router = APIRouter(prefix="/v1/admin/adapters", tags=["admin"])
 
 
 admin_key_scheme = HTTPBearer(
@@ -100,3 +104,35 @@ def update_tenant(
     return tenants_service.set_overrides(
         session, settings, tenant, body.model_dump(exclude_unset=True)
     )
+
+
+@adapters_router.get(
+    "", response_model=AdapterList, dependencies=[AdminDep], responses=error_responses(401)
+)
+def list_adapters(session: SessionDep, settings: SettingsDep) -> AdapterList:
+    """Every LoRA adapter served: the configuration's (``lora_modules``) and registered ones."""
+    return AdapterList(data=adapters_service.list_adapters(session, settings))
+
+
+@adapters_router.post(
+    "",
+    response_model=AdapterView,
+    dependencies=[AdminDep],
+    responses=error_responses(400, 401, 409, 413, 422),
+)
+def add_adapter(body: AddAdapter, session: SessionDep, settings: SettingsDep) -> AdapterView:
+    """Register a LoRA adapter on a served base model (again: re-point it); lines may name it
+    as their ``model`` at once, on every API replica and engine worker."""
+    return adapters_service.add(session, settings, body.name, body.base_model, body.path)
+
+
+@adapters_router.delete(
+    "/{name:path}",
+    response_model=AdapterDeleted,
+    dependencies=[AdminDep],
+    responses=error_responses(401, 404, 409),
+)
+def remove_adapter(name: str, session: SessionDep, settings: SettingsDep) -> AdapterDeleted:
+    """Forget a registered adapter (a configured one is removed from the configuration)."""
+    adapters_service.remove(session, settings, name)
+    return AdapterDeleted(name=name)

@@ -27,7 +27,8 @@ def get_usage(
     group_by: GroupBy | None = None,
 ) -> UsageReport:
     """Requests, tokens, GPU-seconds, cost and price of the tenant's batches that ended in
-    ``[start, end)`` (unix seconds), grouped by ``model`` or ``day`` (UTC)."""
+    ``[start, end)`` (unix seconds), grouped by ``model``, ``day`` (UTC) or ``adapter`` (per
+    model and LoRA adapter; engine seconds and cost shared by tokens)."""
     return billing_service.report(session, tenant.id, start=start, end=end, group_by=group_by)
 
 

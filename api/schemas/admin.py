@@ -67,10 +67,12 @@ class SchedulerView(BaseModel):
 
 
 class EnqueuedTokens(BaseModel):
-    """Enqueued tokens: the limit per model (``None``: none) and what each model's running
-    batches hold."""
+    """Enqueued tokens: the figure every model shares (``None``: derived per model from its
+    engine's measured output, or none), the limit in force per model (configured models and
+    those held; ``None``: none) and what each model's running batches hold."""
 
     limit_per_model: int | None
+    limit_by_model: dict[str, int | None]
     by_model: dict[str, int]
 
 
@@ -80,7 +82,8 @@ class LimitUse(BaseModel):
 
 
 class RateLimit(BaseModel):
-    """Requests per minute per key (``None``: no limit)."""
+    """Requests per minute (per key), or batch creates per minute (per tenant); ``None``: no
+    limit."""
 
     limit: int | None
 
@@ -92,6 +95,7 @@ class TenantLimitsView(BaseModel):
     batches_in_progress: LimitUse
     stored_bytes: LimitUse
     requests_per_minute: RateLimit
+    batch_creates_per_minute: RateLimit
 
 
 class QueuePosition(BaseModel):
@@ -150,7 +154,8 @@ class TenantList(BaseModel):
 
 class TenantUpdate(BaseModel):
     """Overrides to set; a field left out is left alone, ``null`` puts a limit back to the
-    setting's default. Limits are integers >= 0 (0 refuses everything), the weight > 0."""
+    setting's default. Limits are integers >= 0 (0 refuses everything) or -1 (no limit for this
+    tenant, whatever the default), the weight > 0."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -159,3 +164,4 @@ class TenantUpdate(BaseModel):
     max_batches_in_progress: int | None = None
     max_file_bytes: int | None = None
     requests_per_minute: int | None = None
+    batch_creates_per_minute: int | None = None

@@ -42,11 +42,20 @@ class OutputTokensDetails(BaseModel):
 
 
 class BatchUsage(BaseModel):
+    """OpenAI's batch ``usage``, and Offpeak's extension: what the prefix cache saved.
+    ``prefix_cache_hit_rate`` is cached over input tokens (0 before any); ``prompt_tokens_computed``
+    is input minus cached tokens; ``min_prompt_tokens`` the least the engine could have computed
+    (each prefix group's shared prefix once, ``storage.repositories.batches.min_prompt_tokens``),
+    ``None`` until the batch ends."""
+
     input_tokens: int
     input_tokens_details: InputTokensDetails
     output_tokens: int
     output_tokens_details: OutputTokensDetails
     total_tokens: int
+    prefix_cache_hit_rate: float = 0.0
+    prompt_tokens_computed: int = 0
+    min_prompt_tokens: int | None = None
 
 
 class BatchEstimate(BaseModel):
@@ -105,6 +114,16 @@ class BatchObject(BaseModel):
     # progress (``None`` until then): ``{prompt_tokens, max_completion_tokens, price_low,
     # price_high, requests, invalid_requests}``, US dollars.
     estimate: BatchEstimate | None = None
+    # Unix seconds the batch was paused (``POST /v1/batches/{id}/pause``), ``None`` while it is
+    # not; a paused batch keeps OpenAI's status ``in_progress``.
+    paused_at: int | None = None
+    # The batch's breaker (``offpeak.failure_limit``): ``{"fraction", "after_lines"}`` or
+    # ``None``.
+    failure_limit: dict[str, Any] | None = None
+    # Set while the estimated completion falls past ``expires_at``
+    # (``api.services.batch_eta.warning``): ``{"code", "message", "estimated_completion_at",
+    # "expires_at"}``; ``None`` otherwise. A warning only: the batch runs on.
+    completion_warning: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, batch: Batch, bill: Bill | None = None) -> BatchObject:
@@ -165,6 +184,9 @@ def batch_json(batch: Mapping[str, Any], bill: Bill | None = None) -> dict[str, 
             "output_tokens": batch["output_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": batch["input_tokens"] + batch["output_tokens"],
+            **prefix_cache_fields(
+                batch["input_tokens"], batch["cached_tokens"], batch["min_prompt_tokens"]
+            ),
         },
         "metadata": batch["metadata_"],
         **_bill_fields(bill),
@@ -179,6 +201,20 @@ def batch_json(batch: Mapping[str, Any], bill: Bill | None = None) -> dict[str, 
             "requests": int(estimate["requests"]),
             "invalid_requests": int(estimate["invalid_requests"]),
         },
+        "paused_at": batch["paused_at"],
+        "failure_limit": batch["failure_limit"],
+        "completion_warning": None,
+    }
+
+
+def prefix_cache_fields(
+    input_tokens: int, cached_tokens: int, min_prompt_tokens: int | None
+) -> dict[str, Any]:
+    """``BatchUsage``'s extension fields from the batch's token counters."""
+    return {
+        "prefix_cache_hit_rate": round(cached_tokens / input_tokens, 4) if input_tokens else 0.0,
+        "prompt_tokens_computed": input_tokens - cached_tokens,
+        "min_prompt_tokens": None if min_prompt_tokens is None else int(min_prompt_tokens),
     }
 
 
@@ -211,6 +247,18 @@ class BatchList(BaseModel):
     has_more: bool
 
 
+class BatchResultList(BaseModel):
+    """A page of ``GET /v1/batches/{id}/results`` (an Offpeak extension): each item a line of
+    the batch's output or error file, exactly as the file holds it (OpenAI's batch output line:
+    ``id``, ``custom_id``, ``response``, ``error``)."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class CreateBatch(BaseModel):
     """``POST /v1/batches`` body. Unknown fields are ignored, as OpenAI does."""
 
@@ -222,6 +270,10 @@ class CreateBatch(BaseModel):
     completion_window: str
     metadata: dict[str, Any] | None = None
     output_expires_after: dict[str, Any] | None = None
+    # An Offpeak extension (the SDK's ``extra_body``): the batch's breaker,
+    # ``{"fraction": 0.2, "after_lines": 100}`` (``offpeak.failure_limit``); ``null``: none;
+    # left out: the server's ``failure_limit`` setting.
+    failure_limit: dict[str, Any] | None = None
 
 
 def _schedule_fields(batch: Mapping[str, Any]) -> dict[str, Any]:

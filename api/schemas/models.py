@@ -12,6 +12,10 @@ class ModelObject(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "offpeak"
+    #: A LoRA adapter's base model (vLLM's ``/v1/models`` field); ``None`` for a base model.
+    parent: str | None = None
+    #: The model's own name (vLLM's field, where an adapter's is its path).
+    root: str | None = None
 
 
 class ModelList(BaseModel):

@@ -9,10 +9,12 @@ from pydantic import BaseModel
 
 class UsageBucket(BaseModel):
     """Billed usage of one group: a model, a UTC day (``day`` as YYYY-MM-DD, ``start_time`` its
-    first unix second), or everything. Amounts in US dollars."""
+    first unix second), a model's LoRA adapter, or everything. Amounts in US dollars."""
 
     object: Literal["usage.bucket"] = "usage.bucket"
     model: str | None = None
+    #: Grouped by adapter: the LoRA adapter the lines named (``null``: the model's own lines).
+    adapter: str | None = None
     day: str | None = None
     start_time: int | None = None
     batches: int

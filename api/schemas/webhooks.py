@@ -11,7 +11,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from offpeak import webhook_protocol
 from storage.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent
 
-EventType = Literal["batch.completed", "batch.failed", "batch.expired", "batch.cancelled"]
+EventType = Literal[
+    "batch.completed",
+    "batch.failed",
+    "batch.expired",
+    "batch.cancelled",
+    "batch.paused",
+    "batch.resumed",
+]
 assert set(EventType.__args__) == set(webhook_protocol.EVENT_TYPES)  # type: ignore[attr-defined]
 
 

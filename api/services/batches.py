@@ -6,15 +6,18 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from api.errors import BadRequest, Conflict, NotFound, unknown_cursor
 from api.schemas.batches import CreateBatch, batch_json
+from api.services import batch_eta
 from api.services import billing as billing_service
 from api.services import files as files_service
 from api.services import quotas as quotas_service
 from offpeak import endpoints
 from offpeak.endpoints import anthropic_messages
+from offpeak.failure_limit import FailureLimit
 from offpeak.ids import new_id, now
 from offpeak.settings import Settings, window_seconds
 from offpeak.statuses import BatchStatus
@@ -68,6 +71,26 @@ def _output_expiry_seconds(policy: dict[str, Any] | None) -> int | None:
     return seconds
 
 
+def _failure_limit(settings: Settings, request: CreateBatch) -> dict[str, Any] | None:
+    """The batch's breaker as stored: the create's ``failure_limit`` (``null``: none), or the
+    server's setting when the create left it out. Raises ``BadRequest`` naming the field."""
+    if "failure_limit" not in request.model_fields_set:
+        limit = settings.failure_limit
+        return None if limit is None else limit.model_dump()
+    if request.failure_limit is None:
+        return None
+    try:
+        return FailureLimit.model_validate(request.failure_limit).model_dump()
+    except ValidationError as invalid:
+        error = invalid.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise BadRequest(
+            'Invalid failure_limit: expected {"fraction": a number between 0 and 1, '
+            f'"after_lines": a whole number from 1}} ({where}: {error["msg"]}).',
+            param="failure_limit" + (f".{where}" if where else ""),
+        ) from None
+
+
 def _refuse_endpoint(endpoint: str) -> None:
     """The 400 of a batch ``endpoint`` not served here: one code (``invalid_value``) for every
     such url, whether OpenAI's Batch API accepts it (``/v1/moderations``, images, videos) or
@@ -99,8 +122,11 @@ def create(session: Session, settings: Settings, tenant_id: str, request: Create
             f"{', '.join(settings.allowed_completion_windows)}.",
             param="completion_window",
         )
+    # Parsed here once: the row keeps the seconds, which the deadline guard and billing read.
+    window = window_seconds(request.completion_window)
     metadata = _check_metadata(request.metadata)
     output_expires_after = _output_expiry_seconds(request.output_expires_after)
+    failure_limit = _failure_limit(settings, request)
     # An unknown input file is no 404: as at OpenAI the batch is created and its validation
     # fails it, naming the file (``workers.validation``).
     file = files_repo.get(session, tenant_id, request.input_file_id)
@@ -123,7 +149,8 @@ def create(session: Session, settings: Settings, tenant_id: str, request: Create
             status=BatchStatus.VALIDATING,
             metadata_=metadata,
             created_at=created,
-            expires_at=created + window_seconds(request.completion_window),
+            window_seconds=window,
+            expires_at=created + window,
             total=0,
             completed=0,
             failed=0,
@@ -131,6 +158,7 @@ def create(session: Session, settings: Settings, tenant_id: str, request: Create
             cached_tokens=0,
             output_tokens=0,
             output_expires_after=output_expires_after,
+            failure_limit=failure_limit,
         ),
     )
     send = partial(task_messages.send_validate, settings, batch.id)
@@ -162,7 +190,9 @@ def poll(db: Executor, settings: Settings, tenant_id: str, batch_id: str) -> dic
     row = batches_repo.poll_row(db, tenant_id, batch_id)
     if row is None or row["endpoint"] == anthropic_messages.URL:
         raise _not_found(batch_id)
-    return batch_json(row, billing_service.bills_of_rows(db, settings, [row])[batch_id])
+    values = batch_json(row, billing_service.bills_of_rows(db, settings, [row])[batch_id])
+    batch_eta.apply(db, settings, [values])
+    return values
 
 
 def page(
@@ -182,7 +212,9 @@ def page(
     )
     shown = rows[:limit]
     bills = billing_service.bills_of_rows(db, settings, shown)
-    return [batch_json(values, bills[values["id"]]) for values in shown], len(rows) > limit
+    batches = [batch_json(values, bills[values["id"]]) for values in shown]
+    batch_eta.apply(db, settings, batches)
+    return batches, len(rows) > limit
 
 
 def cancel(session: Session, settings: Settings, tenant_id: str, batch_id: str) -> Batch:

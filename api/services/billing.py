@@ -22,7 +22,7 @@ from storage.repositories.billing import UsageRow
 
 #: ``GET /v1/usage`` without ``start`` covers this many seconds before ``end``.
 DEFAULT_SPAN_SECONDS = 30 * 86_400
-GroupBy = Literal["model", "day"]
+GroupBy = Literal["model", "day", "adapter"]
 
 
 def _from_entry(entry: LedgerEntry) -> Bill:
@@ -103,6 +103,7 @@ def _bucket(row: UsageRow) -> UsageBucket:
     cost, price, listed = float(row.cost), float(row.price), float(row.realtime_price)
     return UsageBucket(
         model=row.model,
+        adapter=row.adapter,
         day=day,
         start_time=row.day,
         batches=row.batches,
@@ -129,7 +130,8 @@ def report(
     group_by: GroupBy | None,
 ) -> UsageReport:
     """The tenant's billed usage for batches that ended in ``[start, end)`` (unix seconds;
-    default: the 30 days up to now), grouped by model, by UTC day, or not at all, with a total.
+    default: the 30 days up to now), grouped by model, by UTC day, by model and LoRA adapter
+    (``adapter``), or not at all, with a total.
 
     Raises ``BadRequest`` when ``start`` is not before ``end``.
     """
@@ -137,7 +139,10 @@ def report(
     start = end - DEFAULT_SPAN_SECONDS if start is None else start
     if start >= end:
         raise BadRequest("start must be before end (unix seconds).", param="start")
-    rows = billing_repo.usage(session, tenant_id, start, end, group_by)
+    if group_by == "adapter":
+        rows = billing_repo.adapter_usage(session, tenant_id, start, end)
+    else:
+        rows = billing_repo.usage(session, tenant_id, start, end, group_by)
     totals = billing_repo.usage(session, tenant_id, start, end, None)
     nothing = UsageRow(None, None, 0, 0, 0, 0, 0, 0.0, Decimal(0), Decimal(0), Decimal(0))
     total = _bucket(totals[0] if totals else nothing)

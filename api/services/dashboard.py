@@ -1,7 +1,9 @@
-"""The dashboard's data: the tenant's latest batches with their figures, its own throughput and
-queue per model, its queue positions, engine share and quota use, the last hours of its batch
-tokens/s against the real-time load signal, and the workers that are missing (a model with no
-live engine worker, no control worker). With the admin key: every tenant's figures instead."""
+"""The dashboard's data: the tenant's latest batches with their figures, its own throughput,
+engine time, cost per million tokens and queue per model (never the fleet's: another tenant's
+work moves none of a tenant's figures), its queue positions, engine share and quota use, the
+last hours of its batch tokens/s against the real-time load signal, and the workers that are
+missing (a model with no live engine worker, no control worker). With the admin key: the
+fleet's figures per model and every tenant's instead."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api.services import batches as batches_service
+from api.services import billing as billing_service
 from api.services import health as health_service
 from api.services import quotas as quotas_service
 from api.services import tenant_views
@@ -30,10 +33,15 @@ def bucket_seconds(hours: float) -> int:
 
 
 def _models(
-    session: Session, settings: Settings, tenant_id: str, at: float
+    session: Session, settings: Settings, tenant_id: str | None, at: float
 ) -> list[dict[str, Any]]:
-    """Per model: the tenant's own queue and tokens/s; the engines' busy ratio and cost per
-    million tokens, which are the service's, not any tenant's."""
+    """Per model over the last ``metrics_window_seconds``: queued and running lines, prompt and
+    completion tokens/s and cost per million tokens (US dollars).
+
+    For a tenant, every figure is its own batches' (its share of each engine chunk, the chunk's
+    busy seconds split by requests) and ``engine_seconds`` is that share: nothing another
+    tenant's work moves. For the operator (``tenant_id`` None), the fleet's, with
+    ``busy_ratio``: the engines' mean busy fraction."""
     window = settings.metrics_window_seconds
     rows: dict[str, dict[str, Any]] = defaultdict(
         lambda: {
@@ -41,7 +49,7 @@ def _models(
             "running_requests": 0,
             "prompt_tokens_per_second": 0.0,
             "completion_tokens_per_second": 0.0,
-            "busy_ratio": 0.0,
+            "busy": 0.0,
             "engines": 0,
             "cost": 0.0,
             "tokens": 0,
@@ -50,22 +58,23 @@ def _models(
     for model, status, count, _size in fleet_stats.queue_depth(session, tenant_id):
         queued = status == LineStatus.PENDING
         rows[model]["queued_requests" if queued else "running_requests"] += count
-    for engine in fleet_stats.engine_window(session, at - window):
+    for engine in fleet_stats.engine_window(session, at - window, tenant_id=tenant_id):
         row = rows[engine.model]
-        row["busy_ratio"] += min(engine.busy_seconds / window, 1.0)
+        row["busy"] += engine.busy_seconds if tenant_id else min(engine.busy_seconds / window, 1)
         row["engines"] += 1
         rate = billing.gpu_cost_per_hour(settings, engine.model, engine.device)
         row["cost"] += engine.busy_seconds * rate / 3600
         row["tokens"] += engine.prompt_tokens + engine.completion_tokens
-    for model, (prompt, completion) in fleet_stats.tenant_tokens(
-        session, tenant_id, at - window
-    ).items():
-        rows[model]["prompt_tokens_per_second"] = prompt / window
-        rows[model]["completion_tokens_per_second"] = completion / window
+        row["prompt_tokens_per_second"] += engine.prompt_tokens / window
+        row["completion_tokens_per_second"] += engine.completion_tokens / window
     out = []
     for model, row in sorted(rows.items()):
-        engines, cost, tokens = row.pop("engines"), row.pop("cost"), row.pop("tokens")
-        row["busy_ratio"] = row["busy_ratio"] / engines if engines else 0.0
+        busy, engines = row.pop("busy"), row.pop("engines")
+        cost, tokens = row.pop("cost"), row.pop("tokens")
+        if tenant_id is None:
+            row["busy_ratio"] = busy / engines if engines else 0.0
+        else:
+            row["engine_seconds"] = busy
         # The same rule as a batch's and /v1/usage's figure, so the cards and the CLI agree.
         per_million = billing.cost_per_million_tokens(cost, tokens)
         row["cost_per_million_tokens"] = per_million
@@ -79,6 +88,13 @@ def _with_display(batch: dict[str, Any]) -> dict[str, Any]:
     ``offpeak.billing.format_usd`` (the CLI's function) rather than again in JavaScript."""
     shown = ("cost", "price", "saving", "realtime_price", "cost_per_million_tokens")
     return {**batch, "display": {k: billing.format_usd(batch.get(k)) for k in shown}}
+
+
+def _adapters(session: Session, tenant_id: str) -> list[dict[str, Any]]:
+    """The tenant's billed usage of the last 30 days per model and LoRA adapter (``/v1/usage``
+    grouped by ``adapter``), with ``display`` amounts."""
+    report = billing_service.report(session, tenant_id, start=None, end=None, group_by="adapter")
+    return [_with_display(bucket.model_dump()) for bucket in report.data]
 
 
 def _series(session: Session, tenant_id: str, at: float, hours: float) -> dict[str, Any]:
@@ -134,15 +150,19 @@ def data(
         },
         "batches": [_with_display(batch) for batch in batches],
         "models": _models(session, settings, tenant_id, at),
+        "adapters": _adapters(session, tenant_id),
         "series": _series(session, tenant_id, at, hours),
     }
 
 
 def operator_data(session: Session, settings: Settings) -> dict[str, Any]:
-    """What the page shows the operator (the admin key): the service's state and every
-    tenant's view (``api.services.tenants.list_tenants``: limits, use, queue, share)."""
+    """What the page shows the operator (the admin key): the service's state, the fleet's
+    figures per model (``_models``) and every tenant's view
+    (``api.services.tenants.list_tenants``: limits, use, queue, share)."""
+    at = time.time()
     return {
-        **_service_state(session, settings, time.time()),
+        **_service_state(session, settings, at),
         "operator": True,
+        "models": _models(session, settings, None, at),
         "tenants": tenants_service.list_tenants(session, settings),
     }

@@ -56,6 +56,7 @@ class _KeyCache:
             name=tenant.name,
             created_at=tenant.created_at,
             requests_per_minute=tenant.requests_per_minute,
+            batch_creates_per_minute=tenant.batch_creates_per_minute,
         )
         with self._lock:
             self._entries[key_hash] = (copy, time.monotonic())

@@ -40,6 +40,7 @@ MAX_REQUESTS = 100_000
 MAX_BODY_BYTES = 256 * 1024 * 1024
 #: A Message Batch ends processing 24 hours after creation at the latest.
 WINDOW = "24h"
+WINDOW_SECONDS = window_seconds(WINDOW)
 MAX_LIST_LIMIT = 1000
 #: Batch statuses in which cancelling means something.
 CANCELLABLE = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
@@ -162,7 +163,8 @@ def create(
                 completion_window=WINDOW,
                 status=BatchStatus.VALIDATING,
                 created_at=created,
-                expires_at=created + window_seconds(WINDOW),
+                window_seconds=WINDOW_SECONDS,
+                expires_at=created + WINDOW_SECONDS,
                 total=len(body.requests),
                 requests_submitted=len(body.requests),
                 completed=0,

@@ -11,6 +11,8 @@ batch's lines are first read, as OpenAI's is.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -19,6 +21,7 @@ from api.errors import QuotaExceeded
 from offpeak import tenant_limits
 from offpeak.settings import Settings
 from offpeak.tenant_limits import TenantLimits
+from storage.db import Executor
 from storage.models import Tenant
 from storage.repositories import quotas as quotas_repo
 
@@ -61,11 +64,36 @@ def admit_upload(session: Session, settings: Settings, tenant_id: str, size: int
         )
 
 
-def figures(limits: TenantLimits, use: quotas_repo.TenantUse) -> dict[str, Any]:
-    """A tenant's limits beside its use, as JSON-ready values (``None``: no limit)."""
+def model_rates(db: Executor, settings: Settings, models: Iterable[str]) -> dict[str, float | None]:
+    """``model → one engine's measured completion tokens/s`` (``None``: not measured yet), over
+    the scheduler's throughput window (``quotas_repo.engine_tokens_per_second``)."""
+    since = time.time() - settings.scheduler.throughput_window_seconds
+    return {model: quotas_repo.engine_tokens_per_second(db, model, since) for model in models}
+
+
+def shown_models(settings: Settings, use: quotas_repo.TenantUse) -> set[str]:
+    """The models whose enqueued-token limit a view shows: those configured and those the
+    tenant holds tokens of."""
+    return set(settings.models) | set(use.enqueued_tokens)
+
+
+def figures(
+    tenant: Any, settings: Settings, use: quotas_repo.TenantUse, rates: dict[str, float | None]
+) -> dict[str, Any]:
+    """A tenant's limits beside its use, as JSON-ready values (``None``: no limit).
+    ``enqueued_tokens.limit_per_model`` is the figure every model shares (the tenant's or the
+    setting's), ``None`` when derived per model or off; ``limit_by_model`` is the limit in
+    force of each model of ``rates`` (its measured tokens/s)."""
+    limits = tenant_limits.resolve(tenant, settings.limits)
+    derived = tenant_limits.enqueued_is_derived(tenant, settings.limits)
+    by_model = {
+        model: tenant_limits.resolve(tenant, settings.limits, rate).max_enqueued_tokens
+        for model, rate in sorted(rates.items())
+    }
     return {
         "enqueued_tokens": {
-            "limit_per_model": limits.max_enqueued_tokens,
+            "limit_per_model": None if derived else limits.max_enqueued_tokens,
+            "limit_by_model": by_model,
             "by_model": use.enqueued_tokens,
         },
         "batches_in_progress": {
@@ -74,6 +102,7 @@ def figures(limits: TenantLimits, use: quotas_repo.TenantUse) -> dict[str, Any]:
         },
         "stored_bytes": {"limit": limits.max_file_bytes, "used": use.stored_bytes},
         "requests_per_minute": {"limit": limits.requests_per_minute},
+        "batch_creates_per_minute": {"limit": limits.batch_creates_per_minute},
     }
 
 
@@ -81,4 +110,6 @@ def of_tenant(session: Session, settings: Settings, tenant_id: str) -> dict[str,
     """``figures`` of one tenant (``GET /v1/limits``)."""
     tenant = session.get(Tenant, tenant_id)
     use = quotas_repo.use_of(session, [tenant_id])[tenant_id]
-    return figures(tenant_limits.resolve(tenant, settings.limits), use)
+    return figures(
+        tenant, settings, use, model_rates(session, settings, shown_models(settings, use))
+    )

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from offpeak.settings import SchedulerSettings, Settings, window_seconds
+from offpeak.settings import SchedulerSettings, Settings
 from storage.db import Executor
 from storage.repositories import tenant_views as views_repo
 from storage.repositories.tenant_views import QueuedBatch, Served
@@ -31,11 +31,7 @@ def is_urgent(batch: QueuedBatch, settings: SchedulerSettings) -> bool:
     A batch not estimated yet is not urgent."""
     if batch.estimated_completion_at is None:
         return False
-    try:
-        length = window_seconds(batch.completion_window)
-    except ValueError:
-        length = 86_400
-    margin = settings.urgent_margin_fraction * length + settings.urgent_margin_seconds
+    margin = settings.urgent_margin_fraction * batch.window_seconds + settings.urgent_margin_seconds
     return batch.expires_at - batch.estimated_completion_at < margin
 
 

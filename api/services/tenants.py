@@ -27,9 +27,14 @@ SETTABLE = ("weight", *tenant_limits.LIMIT_NAMES)
 
 
 def _view(
-    tenant: Tenant, settings: Settings, use: quotas_repo.TenantUse, views: dict[str, Any]
+    tenant: Tenant,
+    settings: Settings,
+    use: quotas_repo.TenantUse,
+    views: dict[str, Any],
+    rates: dict[str, float | None],
 ) -> dict[str, Any]:
-    limits = tenant_limits.resolve(tenant, settings.limits)
+    shown = quotas_service.shown_models(settings, use)
+    mine = {model: rate for model, rate in rates.items() if model in shown}
     return {
         "object": "tenant",
         "id": tenant.id,
@@ -37,7 +42,7 @@ def _view(
         "created_at": tenant.created_at,
         "weight": tenant.weight if tenant.weight is not None else 1.0,
         "overrides": {name: getattr(tenant, name) for name in tenant_limits.LIMIT_NAMES},
-        **quotas_service.figures(limits, use),
+        **quotas_service.figures(tenant, settings, use, mine),
         **views,
     }
 
@@ -48,13 +53,22 @@ def list_tenants(session: Session, settings: Settings) -> list[dict[str, Any]]:
     ids = [tenant.id for tenant in tenants]
     use = quotas_repo.use_of(session, ids)
     views = tenant_views.figures(session, settings, ids)
-    return [_view(tenant, settings, use[tenant.id], views[tenant.id]) for tenant in tenants]
+    models = set().union(*(quotas_service.shown_models(settings, u) for u in use.values()))
+    rates = quotas_service.model_rates(session, settings, models)
+    return [_view(tenant, settings, use[tenant.id], views[tenant.id], rates) for tenant in tenants]
 
 
 def _one(session: Session, settings: Settings, tenant: Tenant) -> dict[str, Any]:
     use = quotas_repo.use_of(session, [tenant.id])[tenant.id]
+    rates = quotas_service.model_rates(
+        session, settings, quotas_service.shown_models(settings, use)
+    )
     return _view(
-        tenant, settings, use, tenant_views.figures(session, settings, [tenant.id])[tenant.id]
+        tenant,
+        settings,
+        use,
+        tenant_views.figures(session, settings, [tenant.id])[tenant.id],
+        rates,
     )
 
 
@@ -75,7 +89,8 @@ def set_overrides(
 ) -> dict[str, Any]:
     """Set the named overrides (``SETTABLE``; a limit of ``None``: back to the default) and
     return the tenant's view. Raises ``NotFound`` and ``BadRequest`` (an unknown name, a
-    weight that is not > 0, a limit that is not an integer >= 0)."""
+    weight that is not > 0, a limit that is not an integer >= -1; ``tenant_limits.UNLIMITED``,
+    -1: no limit for this tenant whatever the default)."""
     tenant = _find(session, name_or_id)
     for name, value in changes.items():
         if name not in SETTABLE:
@@ -86,10 +101,13 @@ def set_overrides(
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise BadRequest("weight must be a number > 0.", param="weight")
             tenant.weight = float(value)
-        elif value is None or (type(value) is int and value >= 0):
+        elif value is None or (type(value) is int and value >= tenant_limits.UNLIMITED):
             setattr(tenant, name, value)
         else:
-            raise BadRequest(f"{name} must be an integer >= 0 or null.", param=name)
+            raise BadRequest(
+                f"{name} must be an integer >= 0, -1 (unlimited) or null (the default).",
+                param=name,
+            )
     session.flush()
     keys.forget_cached()  # this process's keys see a new rate limit at once
     return _one(session, settings, tenant)

@@ -70,7 +70,10 @@ function renderModels(models, windowSeconds) {
       ["running requests", num(m.running_requests)],
       ["prompt tokens/s", num(m.prompt_tokens_per_second, 1)],
       ["completion tokens/s", num(m.completion_tokens_per_second, 1)],
-      ["engine busy", num(100 * m.busy_ratio, 0) + " %"],
+      // A tenant's own engine time; the fleet's busy fraction only for the operator.
+      m.busy_ratio === undefined
+        ? ["engine time", num(m.engine_seconds, 1) + " s"]
+        : ["engine busy", num(100 * m.busy_ratio, 0) + " %"],
       ["cost / 1M tokens", money(m.display.cost_per_million_tokens)],
     ];
     const dl = el("dl");
@@ -113,7 +116,7 @@ function renderMine(mine) {
     ["entitled (weight " + num(s.weight, 2) + ")", pct(s.entitled_share)],
     ["lines finished", num(s.lines_finished)],
     ...tokens.map(([m, n]) => ["enqueued tokens, " + m, used({
-      used: n, limit: limits.enqueued_tokens.limit_per_model })]),
+      used: n, limit: limits.enqueued_tokens.limit_by_model[m] ?? limits.enqueued_tokens.limit_per_model })]),
     ["batches in progress", used(limits.batches_in_progress)],
     ["stored bytes", used(limits.stored_bytes)],
   ], { "data-share": "" });
@@ -138,6 +141,25 @@ function renderTenants(tenants) {
   }
 }
 
+// The tenant's billed usage per model and LoRA adapter (/v1/usage?group_by=adapter); shown
+// once any line named an adapter.
+function renderAdapters(adapters) {
+  const body = $("adapters").querySelector("tbody");
+  body.replaceChildren();
+  $("adapters-section").hidden = !adapters.some((a) => a.adapter);
+  for (const a of adapters) {
+    body.append(el("tr", { "data-adapter": a.adapter || "" },
+      el("td", { textContent: a.model }),
+      el("td", { textContent: a.adapter || "(base model)" }),
+      el("td", { class: "num", textContent: num(a.batches) }),
+      el("td", { class: "num", textContent: num(a.requests) }),
+      el("td", { class: "num", textContent: `${num(a.input_tokens)} / ${num(a.output_tokens)}` }),
+      el("td", { class: "num", textContent: num(a.gpu_seconds, 1) }),
+      el("td", { class: "num", textContent: money(a.display.cost) }),
+      el("td", { class: "num", textContent: money(a.display.price) })));
+  }
+}
+
 function renderAlerts(alerts) {
   const box = $("alerts");
   box.replaceChildren();
@@ -146,6 +168,14 @@ function renderAlerts(alerts) {
     box.append(el("li", { class: "alert " + a.kind, "data-kind": a.kind,
       "data-model": a.model || "", textContent: a.message }));
   }
+}
+
+// What the prefix cache saved: prompt tokens computed against the least possible.
+function prefixCacheTitle(usage) {
+  const least = usage.min_prompt_tokens == null ? "known when the batch ends"
+    : num(usage.min_prompt_tokens);
+  return `prompt tokens computed ${num(usage.prompt_tokens_computed)} of `
+    + `${num(usage.input_tokens)}; the least possible ${least}`;
 }
 
 function renderBatches(batches) {
@@ -162,24 +192,35 @@ function renderBatches(batches) {
     body.append(el("tr", { "data-batch": b.id, "data-done": done, "data-total": counts.total },
       el("td", { class: "id", title: b.id }, el("code", { textContent: b.id })),
       el("td", { class: "model", title: b.model || "", textContent: b.model || "–" }),
-      el("td", {}, el("span", { class: "badge " + b.status, textContent: b.status })),
+      // A paused batch keeps OpenAI's status; its paused_at (an extension) says it is paused.
+      el("td", {}, b.paused_at != null && !ENDED.has(b.status)
+        ? el("span", { class: "badge paused", title: "paused at " + clock(b.paused_at, true),
+          textContent: b.status + " · paused" })
+        : el("span", { class: "badge " + b.status, textContent: b.status })),
       el("td", {}, bar, el("span", { class: "pct", textContent: pct.toFixed(0) + "%" })),
       el("td", { class: "num",
         textContent: `${num(counts.completed)} ✓ ${num(counts.failed)} ✗ / ${num(counts.total)}` }),
       el("td", { class: "num",
         textContent: `${num(usage.input_tokens)} / ${num(usage.output_tokens)}` }),
+      el("td", { class: "num prefix-cache", title: prefixCacheTitle(usage),
+        textContent: usage.input_tokens
+          ? (100 * usage.prefix_cache_hit_rate).toFixed(0) + "%" : "–" }),
       el("td", { class: "num", textContent: num(b.gpu_seconds, 2) }),
       el("td", { class: "num", textContent: money(b.display.cost) }),
       el("td", { class: "num", textContent: money(b.display.price) }),
       el("td", { class: "num", textContent: money(b.display.saving) }),
       el("td", { textContent: clock(b.created_at, true) }),
-      // The scheduler's estimate of the last line's finish, while the batch runs.
-      el("td", { textContent: !ENDED.has(b.status) && b.estimated_completion_at
-        ? clock(b.estimated_completion_at, true) : "–" })));
+      // The estimate of the last line's finish while the batch runs; marked when it falls
+      // past the window (completion_warning, an extension).
+      el("td", ENDED.has(b.status) || !b.estimated_completion_at ? { textContent: "–" }
+        : b.completion_warning
+          ? { class: "late", title: b.completion_warning.message,
+              textContent: clock(b.estimated_completion_at, true) + " ⚠" }
+          : { textContent: clock(b.estimated_completion_at, true) })));
     const reason = whyItEnded(b);
     if (reason) {
       body.append(el("tr", { class: "reason", "data-reason-for": b.id },
-        el("td", { colSpan: 12, textContent: reason })));
+        el("td", { colSpan: 13, textContent: reason })));
     }
   }
 }
@@ -291,16 +332,18 @@ async function refresh() {
     $("updated").textContent = "updated " + clock(data.generated_at, true);
     renderAlerts(data.alerts || []);
     const operator = data.operator === true;
-    for (const id of ["models-section", "chart-section", "batches-section", "mine-section"]) {
+    for (const id of ["chart-section", "batches-section", "mine-section"]) {
       $(id).hidden = operator;
     }
+    if (operator) $("adapters-section").hidden = true;
     $("tenants-section").hidden = !operator;
+    renderModels(data.models, data.window_seconds);
     if (operator) {
       renderTenants(data.tenants);
     } else {
       renderMine(data.tenant);
-      renderModels(data.models, data.window_seconds);
       renderBatches(data.batches);
+      renderAdapters(data.adapters || []);
       renderChart(data.series);
     }
   }

@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -21,6 +22,8 @@ from rich.console import Console
 
 from offpeak.cli import batch_commands, help_text, keys
 from offpeak.cli.bench import bench_app
+from offpeak.cli.config import config_app
+from offpeak.cli.models import models_app
 from offpeak.cli.plan import calibrate_command, plan_app, simulate_app
 from offpeak.cli.sched import (
     pause_command,
@@ -30,7 +33,7 @@ from offpeak.cli.sched import (
 )
 from offpeak.cli.tenants import tenants_app
 from offpeak.cli.webhooks import webhooks_app
-from offpeak.settings import get_settings
+from offpeak.settings import Settings, get_settings
 
 app = typer.Typer(help="Offpeak: the OpenAI Batch API on idle GPU time.", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys.", no_args_is_help=True)
@@ -40,7 +43,21 @@ app.add_typer(simulate_app, name="simulate")
 app.add_typer(bench_app, name="bench")
 app.add_typer(webhooks_app, name="webhooks")
 app.add_typer(tenants_app, name="tenants")
+app.add_typer(models_app, name="models")
+app.add_typer(config_app, name="config")
 console = Console()
+
+
+def _sealing_keys(settings: Settings) -> list[str]:
+    """The keys webhook secrets are sealed with (``storage.sealing.keys_for``); exits 1 saying
+    what to set when a server database has none."""
+    from storage import sealing
+
+    try:
+        return sealing.keys_for(settings)
+    except sealing.SealingError as exc:
+        Console(stderr=True, soft_wrap=True).print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
 
 
 @app.command()
@@ -63,12 +80,22 @@ def migrate(
     if refusal:
         Console(stderr=True, soft_wrap=True).print(f"[red]{refusal}[/red]")
         raise typer.Exit(1)
+    keys = _sealing_keys(settings)  # before any change: a server database needs its key
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     migrations.upgrade(settings.resolved_database_url)
     from sqlalchemy.engine import make_url
 
+    from storage import sealing
+    from storage.db import session_scope
+    from storage.repositories import webhooks as webhooks_repo
+
     shown = make_url(settings.resolved_database_url).render_as_string(hide_password=True)
     console.print(f"database at revision head: {shown}", soft_wrap=True)
+    sealing.configure(keys)
+    with session_scope(settings.resolved_database_url) as session:
+        sealed = webhooks_repo.seal_clear_secrets(session)
+    if sealed:
+        console.print(f"{sealed} webhook endpoint(s) had a signing secret in clear: now sealed")
 
 
 @app.command()
@@ -85,6 +112,7 @@ def serve(
     from api.server import server_options
 
     settings = get_settings()
+    _sealing_keys(settings)  # refused here with a message, not in each uvicorn process
     uvicorn.run(
         "api.app:create_app",
         factory=True,
@@ -115,7 +143,9 @@ def worker(
 
     SIGTERM (or SIGINT) stops it: it takes no new work, hands the lines it holds back, closes its
     engines and exits, within ``--stop-timeout`` seconds; a second signal exits at once. Its
-    children (vLLM's engine-core) die with it, even if it is SIGKILLed."""
+    children (vLLM's engine-core) die with it, even if it is SIGKILLed. An engine that does
+    not start at boot is named with its ``gpu_memory_utilization`` on stderr, the engines
+    started before it are closed, and the worker exits 78 (``workers.engine.load_failure``)."""
     import logging
     import signal
 
@@ -133,12 +163,14 @@ def worker(
         os.environ["OFFPEAK_WORKER_MODELS"] = models
         get_settings.cache_clear()
     settings = get_settings()
+    _sealing_keys(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=loglevel, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     from offpeak import celery_app
     from workers.celery_worker import app as worker_app
 
     node = f"{role}-{os.getpid()}@{socket.gethostname()}"
+    on_shutdown: Callable[[], None] | None = None  # an engine worker's stop
     if role == "control":
         import threading
 
@@ -161,60 +193,30 @@ def worker(
             loglevel,
         ]
     elif role == "engine":
-        from celery.signals import worker_ready
-
-        from workers.runner.gc_tuning import tune_collector
-
-        tune_collector()  # the runner's lines would trigger full collections (see there)
-
         unknown = [m for m in settings.served_models if m not in settings.models]
         if unknown:
             raise typer.BadParameter(f"not configured: {', '.join(unknown)}", param_hint="--models")
-        from workers import liveness, tasks
+        from workers import engine_worker
 
-        liveness.announce_loading(settings, settings.served_models)  # no alarm while it loads
-        tasks.start_runners(settings)  # engines loaded, runners built: a drain starts at once
-        from storage import task_messages
-        from storage.db import session_scope
-        from storage.repositories import workers as workers_repo
-        from workers.runner import worker_id
-
-        with session_scope(settings.resolved_database_url) as session:
-            workers_repo.register(
-                session, worker_id(), socket.gethostname(), settings.served_models
-            )
-
-        @worker_ready.connect(weak=False)
-        def _resume(**_kwargs: object) -> None:
-            # Pick up lines left by a crash or a restart without waiting for the sweep.
-            for name in settings.served_models:
-                task_messages.send_drain(settings, name)
-
-        argv = [
-            "worker",
-            "-Q",
-            ",".join(celery_app.model_queue(settings, m) for m in settings.served_models),
-            "-P",
-            "solo",
-            "-n",
-            node,
-            "--loglevel",
-            loglevel,
-        ]
+        engine = engine_worker.EngineWorker(settings)
+        engine_worker.install(engine)
+        engine.boot()  # engines loaded, runners built: a drain starts at once
+        on_shutdown = engine.shut_down
+        argv = ["worker", "-Q", ",".join(engine.queues()), "-P", "solo", "-n", node]
+        argv += ["--loglevel", loglevel]
     else:
         raise typer.BadParameter("role must be 'control' or 'engine'", param_hint="--role")
     from workers import worker_metrics
+    from workers.celery_worker import install_stop_handling
     from workers.runner import worker_id as this_worker
 
     worker_metrics.start_server(settings, role, this_worker())  # OFFPEAK_METRICS_PORT; 0 = off
-    from workers import lifecycle, shutdown
-    from workers.celery_worker import install_stop_handling
-
-    install_stop_handling(role, stop_timeout)
+    install_stop_handling(role, stop_timeout, on_shutdown)
     try:
         worker_app.worker_main(argv)
     finally:
-        shutdown.stop_engines(lifecycle.stop_deadline())  # if Celery ended without worker_shutdown
+        if on_shutdown is not None:
+            on_shutdown()  # if Celery ended without worker_shutdown
         process_tree.kill_children(timeout=5)
 
 
@@ -288,14 +290,14 @@ def _base_url() -> str:
 
 
 def _client():  # type: ignore[no-untyped-def]
-    from openai import OpenAI
+    from offpeak.cli import rate_limit_notice
 
     settings = get_settings()
     base_url = _base_url()
     api_key = os.environ.get("OPENAI_API_KEY") or settings.local_api_key
     if not api_key:
         raise typer.BadParameter("set OPENAI_API_KEY (see `offpeak keys create`)")
-    return OpenAI(base_url=base_url, api_key=api_key)
+    return rate_limit_notice.client(base_url, api_key)  # says on stderr when it is rate-limited
 
 
 @app.command()
@@ -322,19 +324,29 @@ def submit(
         wait_and_exit(batch.id, client_tools.first_model(file))
 
 
-def wait_and_exit(batch_id: str, model: str | None) -> None:
+def wait_and_exit(batch_id: str, model: str | None, results: Path | None = None) -> None:
     """``offpeak.cli.watching.wait_and_exit`` with this CLI's client and console."""
     from offpeak.cli import watching
 
-    watching.wait_and_exit(_client(), batch_id, model, console)
+    watching.wait_and_exit(_client(), batch_id, model, console, results)
 
 
 @app.command()
-def watch(batch_id: str) -> None:
+def watch(
+    batch_id: str,
+    results: Annotated[
+        Path | None,
+        typer.Option(
+            "--results",
+            help="Append the batch's lines to this file as they end (resumes after its last).",
+        ),
+    ] = None,
+) -> None:
     """Show an existing batch's progress until it ends, as ``submit --wait`` does, and exit with
     its outcome (0 completed, 3 failed, 4 expired, 5 cancelled; 130 after Ctrl-C, which stops
-    the watching, not the batch)."""
-    wait_and_exit(batch_id, None)
+    the watching, not the batch). With ``--results FILE``, every line of the batch is in FILE
+    when it exits, each as the output or error file holds it."""
+    wait_and_exit(batch_id, None, results)
 
 
 @app.command()
@@ -348,7 +360,9 @@ def status(batch_id: str) -> None:
 @app.command("usage")
 def usage_command(
     days: Annotated[int, typer.Option(help="Batches that ended in the last DAYS days.")] = 30,
-    group_by: Annotated[str, typer.Option(help="model, day or none.")] = "model",
+    group_by: Annotated[
+        str, typer.Option(help="model, day, adapter (per LoRA adapter) or none.")
+    ] = "model",
 ) -> None:
     """What this key's tenant was billed: requests, tokens, GPU-seconds, cost, price, saving;
     then its quotas and rate limit beside its use of them, its queued lines with the lines of
@@ -372,10 +386,28 @@ def download(
     output: Annotated[
         Path, typer.Option("-o", "--output", help="Where to write the output file.")
     ] = Path("output.jsonl"),
+    partial: Annotated[
+        bool,
+        typer.Option(
+            "--partial",
+            help="Append the lines ended so far, output and errors, to OUTPUT (resumes "
+            "after its last line); the batch may still be running.",
+        ),
+    ] = False,
 ) -> None:
     """Download a finished batch's output file (and its error file next to it, if any). Exits 6,
-    saying why, when the batch has no file to download (it has not ended, or ended empty)."""
+    saying why, when the batch has no file to download (it has not ended, or ended empty).
+    With ``--partial``: the lines ended so far, appended to OUTPUT."""
     from offpeak.cli import client as client_tools
+
+    if partial:
+        from offpeak.cli import partial_results
+
+        client = _client()
+        added = partial_results.append_ready(client, batch_id, output)
+        status = client.batches.retrieve(batch_id).status
+        console.print(f"appended {added:,} lines to {output} (batch {status})")
+        return
 
     try:
         paths = client_tools.download(_client(), batch_id, output)

@@ -1,5 +1,6 @@
-"""Client commands on batches beyond submit/status/download: ``list``, ``cancel``, ``retry``
-and ``estimate``, and the operator's ``keys new-secret-key`` / ``keys reseal``.
+"""Client commands on batches beyond submit/status/download: ``list``, ``cancel``, ``retry``,
+``estimate`` and ``pause`` / ``resume`` of one batch, and the operator's
+``keys new-secret-key`` / ``keys reseal``.
 
 The batch commands go through the official ``openai`` SDK (``offpeak.cli._client``: the same
 ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``) and exit with ``offpeak.cli.exit_codes``; ``estimate``
@@ -59,6 +60,20 @@ def cancel_command(batch_id: str) -> None:
     cannot be cancelled (error 409, exit 1)."""
     batch = _client().batches.cancel(batch_id)
     console.print(f"batch {batch.id} is {batch.status}")
+
+
+def pause_batch(batch_id: str, paused: bool) -> None:
+    """Pause (``paused``) or resume a batch (``POST /v1/batches/{id}/pause`` or ``/resume``,
+    Offpeak extensions): a paused batch stays ``in_progress`` and its window keeps running,
+    but no new line of it starts. A batch that is ending or ended cannot be (error 409, exit
+    1)."""
+    from openai.types import Batch
+
+    verb = "pause" if paused else "resume"
+    batch = _client().post(f"/batches/{batch_id}/{verb}", cast_to=Batch)
+    paused_at = (batch.model_extra or {}).get("paused_at")
+    state = "paused" if paused_at is not None else "not paused"
+    console.print(f"batch {batch.id} is {batch.status}, {state}")
 
 
 def retry_command(
@@ -154,9 +169,9 @@ def keys_reseal_command() -> None:
     from storage.repositories import webhooks as webhooks_repo
 
     settings = get_settings()
-    sealing.configure(settings.secret_keys)
     with session_scope(settings.resolved_database_url) as session:
         try:
+            sealing.configure(sealing.keys_for(settings))
             count = webhooks_repo.reseal_secrets(session)
         except sealing.SealingError as exc:
             errors.print(str(exc))

@@ -1,5 +1,5 @@
-"""``offpeak bench e2e|kv-blocks|intake|control|tenants|memory|embeddings|…``: the benchmarks of
-``bench/`` (see ``docs/benchmarks.md``). Each prints a table and writes
+"""``offpeak bench e2e|kv-blocks|intake|control|tenants|memory|large-file|embeddings|…``: the
+benchmarks of ``bench/`` (see ``docs/benchmarks.md``). Each prints a table and writes
 ``bench/results/<name>.json``.
 
 They need PostgreSQL and Redis (``OFFPEAK_BENCH_PG``, ``OFFPEAK_BENCH_REDIS``; a scratch database
@@ -62,12 +62,31 @@ def e2e(
     logs: Annotated[
         Path | None, typer.Option(help="Keep the Offpeak services' logs in this folder.")
     ] = None,
+    workload: Annotated[
+        str,
+        typer.Option(
+            help="Built-in workload: no-sharing (--requests sizes) or shared-prefix "
+            "(--documents x --questions, shuffled, KV cache 0.15 GiB unless --kv-cache-gib)."
+        ),
+    ] = "no-sharing",
+    input_file: Annotated[
+        Path | None,
+        typer.Option("--input", help="An OpenAI batch JSONL to run through every leg instead."),
+    ] = None,
+    kv_cache_gib: Annotated[
+        float | None, typer.Option(help="The same KV cache (GiB) for every leg.")
+    ] = None,
+    documents: Annotated[int, typer.Option(help="shared-prefix: documents.")] = 16,
+    questions: Annotated[int, typer.Option(help="shared-prefix: questions per document.")] = 6,
     out: OutDir = None,
 ) -> None:
     """The real model against the engine's best, at each size: vLLM's LLM.chat swept over
-    max_num_seqs, vLLM's run_batch, Offpeak (about 35 minutes at 256 and 2,000 requests on a
-    2-core CPU; run it under flock)."""
+    max_num_seqs, vLLM's run_batch, Offpeak, every leg on the same CPUs (about 35 minutes at
+    256 and 2,000 requests on a 2-core CPU; run it under flock)."""
     from bench import e2e as module
+
+    if workload not in module.WORKLOADS:
+        raise typer.BadParameter(f"one of {', '.join(module.WORKLOADS)}", param_hint="--workload")
 
     module.run(
         tuple(requests or module.SIZES),
@@ -78,6 +97,11 @@ def e2e(
         tuple(max_num_seqs or module.SWEEP),
         keep,
         logs,
+        workload=workload,
+        input_file=input_file,
+        kv_cache_gib=kv_cache_gib,
+        documents=documents,
+        questions=questions,
     )
 
 
@@ -230,6 +254,25 @@ def memory(
     module.run(small, large, out)
 
 
+@bench_app.command("large-file")
+def large_file(
+    lines: Annotated[
+        list[int] | None,
+        typer.Option(
+            help="Lines in a file (repeat: a run per size, ratios against the first; "
+            "default 50,000 and 2,000,000).",
+            min=1,
+        ),
+    ] = None,
+    out: OutDir = None,
+) -> None:
+    """Upload, validation, the drain, finalize, results paging and download of ever larger
+    files (instant engine): per-line time by stage and each process's peak RSS."""
+    from bench import large_file as module
+
+    module.run(tuple(lines or (50_000, 2_000_000)), out)
+
+
 @bench_app.command("embeddings")
 def embeddings(
     inputs: Annotated[
@@ -323,6 +366,25 @@ def colocate(
     from bench import colocate as module
 
     module.run(quick, phase_seconds, out, plot or Path("docs/colocate.png"), seed, server_url, lane)
+
+
+@bench_app.command("line-kinds")
+def line_kinds(
+    requests: Annotated[int, typer.Option(help="Lines per leg.")] = 64,
+    max_tokens: Annotated[int, typer.Option(help="max_tokens of every line.")] = 32,
+    engine: Annotated[
+        str, typer.Option(help="vllm: the default model; instant: no model (a dry run).")
+    ] = "vllm",
+    out: OutDir = None,
+) -> None:
+    """Tool-call lines against plain chat lines, adapter lines against base-model lines, and 8
+    adapters mixed in one batch against one adapter, on the default model (a few minutes on a
+    2-core CPU)."""
+    from bench import line_kinds as module
+
+    if engine not in ("vllm", "instant"):
+        raise typer.BadParameter("vllm or instant", param_hint="--engine")
+    module.run(requests, max_tokens, "vllm" if engine == "vllm" else "instant", out)
 
 
 @bench_app.command("plot")

@@ -3,6 +3,7 @@ a user's own code would talk to Offpeak."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +104,51 @@ def submit(
     )
 
 
+def _prefix_cache(usage: Any) -> str:
+    """What the prefix cache saved (``usage``'s extension fields), as ``offpeak status`` shows
+    it: the hit rate and prompt tokens computed against the least possible."""
+    extra = (usage.model_extra or {}) if usage else {}
+    if not usage or not usage.input_tokens or "prefix_cache_hit_rate" not in extra:
+        return "-"
+    text = (
+        f"{100 * extra['prefix_cache_hit_rate']:.0f}% of prompt tokens cached; "
+        f"{extra['prompt_tokens_computed']:,} computed"
+    )
+    least = extra.get("min_prompt_tokens")
+    if least:
+        text += f" ({extra['prompt_tokens_computed'] / least:.2f}x the least possible, {least:,})"
+    return text
+
+
+def eta_rows(batch: Batch, at: float | None = None) -> list[tuple[str, str]]:
+    """``offpeak status``'s rows for a running batch's ``estimated_completion_at`` (local time
+    and time left from ``at``, unix seconds) and its ``completion_warning``, if the server
+    gives them (Offpeak extensions); none for an ended batch."""
+    extra = batch.model_extra or {}
+    eta = extra.get("estimated_completion_at")
+    if batch.status in BatchStatus.FINAL:
+        return []
+    at = time.time() if at is None else at
+    rows = []
+    if eta is not None:
+        left = max(int(eta - at), 0)
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(eta))
+        rows.append(("eta", f"{when} (in {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d})"))
+    warning = extra.get("completion_warning")
+    if warning:
+        rows.append(("warning", str(warning.get("message", warning))))
+    return rows
+
+
 def print_summary(batch: Batch, console: Console) -> None:
     table = Table(title=f"batch {batch.id}", show_header=False)
     counts, usage = batch.request_counts, batch.usage
+    paused_at = (batch.model_extra or {}).get("paused_at")
+    status = batch.status
+    if paused_at is not None and status not in BatchStatus.FINAL:
+        status += " (paused: offpeak resume " + batch.id + ")"
     rows: list[tuple[str, Any]] = [
-        ("status", batch.status),
+        ("status", status),
         ("model", getattr(batch, "model", None)),
         ("endpoint", batch.endpoint),
         (
@@ -123,6 +164,7 @@ def print_summary(batch: Batch, console: Console) -> None:
             if usage
             else "-",
         ),
+        ("prefix cache", _prefix_cache(usage)),
         ("output_file_id", batch.output_file_id),
         ("error_file_id", batch.error_file_id),
     ]
@@ -137,6 +179,7 @@ def print_summary(batch: Batch, console: Console) -> None:
                 f"{format_usd(estimate['price_low'])} … {format_usd(estimate['price_high'])}",
             )
         )
+    rows.extend(eta_rows(batch))
     for error in (batch.errors.data if batch.errors and batch.errors.data else [])[:10]:
         rows.append(("error", describe_error(error.line, error.code, error.message)))
     for key, value in rows:
@@ -234,12 +277,18 @@ def print_limits(report: dict[str, Any], console: Console) -> None:
         return "none" if limit is None else f"{limit:,}"
 
     tokens = report["enqueued_tokens"]
-    for model, held in sorted(tokens["by_model"].items()) or [("(any model)", 0)]:
-        table.add_row(f"enqueued tokens, {model}", f"{held:,}", shown(tokens["limit_per_model"]))
+    limits = tokens.get("limit_by_model", {})
+    models = sorted(set(tokens["by_model"]) | set(limits))
+    for model in models or ["(any model)"]:
+        limit = limits.get(model, tokens["limit_per_model"])
+        table.add_row(f"enqueued tokens, {model}", f"{tokens['by_model'].get(model, 0):,}",
+                      shown(limit))  # fmt: skip
     for name, label in (("batches_in_progress", "batches in progress"),
                         ("stored_bytes", "stored file bytes")):  # fmt: skip
         table.add_row(label, f"{report[name]['used']:,}", shown(report[name]["limit"]))
     table.add_row("requests per minute, per key", "", shown(report["requests_per_minute"]["limit"]))
+    creates = report.get("batch_creates_per_minute", {"limit": None})
+    table.add_row("batch creates per minute", "", shown(creates["limit"]))
     console.print(table)
 
 
@@ -290,10 +339,18 @@ def print_usage(report: dict[str, Any], console: Console) -> None:
         ]
 
     for row in report["data"]:
-        table.add_row(str(row.get(group) or "-") if group else "", *cells(row))
+        table.add_row(_group_label(row, group), *cells(row))
     table.add_section()
     table.add_row("total", *cells(total), style="bold")
     console.print(table)
+
+
+def _group_label(row: dict[str, Any], group: str | None) -> str:
+    """A usage row's group: by adapter, the adapter's name, or the model's for its own lines;
+    otherwise the group's value."""
+    if group == "adapter":
+        return str(row.get("adapter") or row.get("model") or "-")
+    return str(row.get(group) or "-") if group else ""
 
 
 class NoOutputError(Exception):

@@ -23,9 +23,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from offpeak.cli import embedded_db
 from offpeak.cli.client import read_lines
 from offpeak.cli.supervisor import OffpeakUp
-from offpeak.settings import get_settings
+from offpeak.settings import Settings, get_settings
 from offpeak.statuses import BatchStatus
 
 #: Package data (``examples/quickstart.jsonl`` in a checkout links to it), so the demo finds it
@@ -34,6 +35,18 @@ QUICKSTART = Path(str(resources.files("offpeak") / "examples" / "quickstart.json
 #: The documented local key of demo mode (tenant ``local``); never set it on a shared server.
 DEMO_KEY = "sk-offpeak-local-demo"
 OUTPUT = Path("offpeak-demo-output.jsonl")
+#: The demo's own data folder (beside the quick start's ``.offpeak``, never inside it), unless
+#: the operator chose where the data lives.
+DEMO_DATA_DIR = Path(".offpeak-demo")
+
+
+def demo_settings(settings: Settings) -> Settings:
+    """``settings`` with the demo's data folder: ``DEMO_DATA_DIR`` of the current directory
+    when ``OFFPEAK_DATA_DIR`` and ``OFFPEAK_DATABASE_URL`` are unset, so the demo's tenant, key
+    and batches never land in the database ``offpeak up`` uses here; else as configured."""
+    if embedded_db.configured(settings):
+        return settings
+    return settings.model_copy(update={"data_dir": DEMO_DATA_DIR.resolve()})
 
 
 def _port_free(port: int) -> bool:
@@ -71,7 +84,7 @@ def _vector(embedding: list[float] | str) -> str:
 
 
 def run_demo(port: int, console: Console) -> int:
-    settings = get_settings()
+    settings = demo_settings(get_settings())
     if not _port_free(port):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -1,4 +1,5 @@
-"""`offpeak pause`, `offpeak resume` and `offpeak simulate day`: the scheduler's commands.
+"""`offpeak pause`, `offpeak resume` and `offpeak simulate day`: the scheduler's commands
+(`offpeak pause BATCH_ID` pauses one batch through the API: ``batch_commands.pause_batch``).
 
 ``pause``/``resume`` flip the admin switch in the database (the same switch as
 ``POST /v1/admin/scheduler/pause``), so they work wherever the settings reach the database, API up
@@ -24,7 +25,14 @@ PoolOption = Annotated[
 ]
 
 
+BatchArgument = Annotated[
+    str | None,
+    typer.Argument(help="A batch to pause or resume alone (through the API) instead of a pool."),
+]
+
+
 def pause_command(
+    batch_id: BatchArgument = None,
     pool: PoolOption = "*",
     hard: Annotated[
         bool, typer.Option("--hard", help="Stop urgent batches too (windows may be missed).")
@@ -32,7 +40,13 @@ def pause_command(
     reason: Annotated[str | None, typer.Option(help="Shown in logs and the admin view.")] = None,
 ) -> None:
     """Pause batch work: workers yield as they do to high load (urgent batches keep running
-    unless --hard) within one load poll, until `offpeak resume`."""
+    unless --hard) within one load poll, until `offpeak resume`. With BATCH_ID, pause that
+    batch alone (`offpeak resume BATCH_ID` resumes it)."""
+    if batch_id is not None:
+        from offpeak.cli.batch_commands import pause_batch
+
+        pause_batch(batch_id, paused=True)
+        return
     from storage.db import session_scope
     from storage.repositories import scheduler as scheduler_repo
 
@@ -44,8 +58,14 @@ def pause_command(
     )
 
 
-def resume_command(pool: PoolOption = "*") -> None:
-    """Resume batch work paused with `offpeak pause` (the load signals still apply)."""
+def resume_command(batch_id: BatchArgument = None, pool: PoolOption = "*") -> None:
+    """Resume batch work paused with `offpeak pause` (the load signals still apply); with
+    BATCH_ID, that batch."""
+    if batch_id is not None:
+        from offpeak.cli.batch_commands import pause_batch
+
+        pause_batch(batch_id, paused=False)
+        return
     from storage.db import session_scope
     from storage.repositories import scheduler as scheduler_repo
 

@@ -33,6 +33,9 @@ import httpx
 
 from offpeak.process_tree import die_with_parent, kill_group
 
+# A child's "these settings cannot start me": an engine worker whose model fails at boot.
+from workers.engine.load_failure import EXIT_ENGINE_NOT_STARTED as CONFIGURATION_EXIT
+
 log = logging.getLogger("offpeak.up")
 
 #: Seconds a child gets to stop after SIGTERM before its group is SIGKILLed. An engine worker
@@ -74,8 +77,10 @@ class Supervisor:
 
     A child that exits (whatever its code: a service runs until told to stop) is restarted after
     ``first_backoff × 2^(n-1)`` seconds, n its quick exits in a row, at most ``max_backoff``; an
-    exit after ``stable_seconds`` or more of running counts as the first again. On the first
-    signal each child gets SIGTERM and ``stop_seconds`` to exit, then its process group is
+    exit after ``stable_seconds`` or more of running counts as the first again. Except an exit
+    with ``CONFIGURATION_EXIT`` (an engine worker whose model cannot start with its settings):
+    a restart would fail the same way, so everything stops and ``run`` returns that code. On
+    the first signal each child gets SIGTERM and ``stop_seconds`` to exit, then its process group is
     SIGKILLed (grandchildren too); a second signal SIGKILLs every group at once.
     """
 
@@ -99,16 +104,20 @@ class Supervisor:
         self.stop_seconds = stop_seconds
         self._stop = threading.Event()
         self._signals = 0
+        #: A child's ``CONFIGURATION_EXIT``, once one stopped the whole supervisor.
+        self._exit_code = 0
 
     def run(self) -> int:
-        """Supervise until a signal; 0 after a clean stop, 1 if a child had to be SIGKILLed."""
+        """Supervise until a signal; 0 after a clean stop, 1 if a child had to be SIGKILLed,
+        ``CONFIGURATION_EXIT`` when a child exited with it (every other child is stopped)."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             while not self._stop.is_set():
                 self._tick(time.monotonic())
                 self._stop.wait(0.2)  # a signal sets the event and ends the wait at once
-            return self._stop_all()
+            stopped = self._stop_all()
+            return self._exit_code or stopped
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -130,6 +139,20 @@ class Supervisor:
                 continue
             kill_group(child.proc.pid)  # what it left behind (an engine-core, a beat)
             ran = now - child.started_at
+            if code == CONFIGURATION_EXIT:
+                log.error(
+                    "%s (pid %d) %s after %.1f s: its settings cannot start it, so it is not "
+                    "restarted; stopping everything (its log says which setting)\n%s",
+                    child.name,
+                    child.proc.pid,
+                    _describe_exit(code),
+                    ran,
+                    _tail(self.log_dir / f"{child.name}.log", 8),
+                )
+                child.proc, child.restart_at = None, None
+                self._exit_code = code
+                self._stop.set()
+                return
             child.quick_exits = 1 if ran >= self.stable_seconds else child.quick_exits + 1
             delay = min(self.first_backoff * 2 ** (child.quick_exits - 1), self.max_backoff)
             log.warning(

@@ -11,14 +11,13 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from offpeak.cli import exit_codes
 from offpeak.cli.client import format_count, percent
 from offpeak.cli.tables import print_whole
-from offpeak.settings import get_settings
+from offpeak.cli.transaction import in_transaction
+from offpeak.tenant_limits import UNLIMITED, UNLIMITED_WORD
 
 tenants_app = typer.Typer(help="Tenants: weights, quotas, rate limits.", no_args_is_help=True)
 console = Console(soft_wrap=True)
-errors = Console(stderr=True, soft_wrap=True)
 
 #: What ``--<name> default`` sets: the setting's default (the column's NULL).
 DEFAULT = "default"
@@ -29,51 +28,83 @@ def _of(used: int | None, limit: int | None) -> str:
     return f"{shown} / {'∞' if limit is None else format_count(limit)}"
 
 
-def _run(action: Any) -> Any:
-    """``action(session, settings)`` in one transaction; an ``ApiError`` exits 1 with its
-    message."""
-    from api.errors import ApiError
-    from storage.db import session_scope
-
-    settings = get_settings()
-    try:
-        with session_scope(settings.resolved_database_url) as session:
-            return action(session, settings)
-    except ApiError as exc:
-        errors.print(exc.message)
-        raise typer.Exit(exit_codes.ERROR) from None
-
-
 @tenants_app.command("list")
 def list_command() -> None:
     """Every tenant: weight, queued lines and the lines of other tenants ahead of them (summed
     over models), its share of the engine-seconds of the last hour against its entitled share,
     enqueued tokens (the most any model holds, of the per-model limit), batches in progress,
-    stored bytes and requests per minute (∞: no limit)."""
+    stored bytes, requests per minute and batch creates per minute (∞: no limit).
+
+    One table, ids included; in a terminal too narrow for it, two (the queue and the share,
+    then the limits), without ids, so that no cell is cut (``tenants show NAME`` has the id)."""
     from api.services import tenants
 
-    table = Table(title="tenants", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1))
-    columns = ("name", "id", "weight", "queued", "ahead", "share", "entitled", "enqueued tok",
-               "batches", "stored B", "req/min")  # fmt: skip
+    rows = [_row(view) for view in in_transaction(tenants.list_tenants)]
+    whole = _table("tenants", ALL_COLUMNS, rows)
+    if not console.is_terminal or _width(whole) <= console.width:
+        print_whole(console, whole)
+        return
+    for title, columns in NARROW_TABLES:
+        console.print(_table(title, columns, rows, fold_names=True))
+    console.print("ids: offpeak tenants show NAME")
+
+
+#: Columns of ``tenants list``, then the two tables it prints instead in a narrow terminal.
+ALL_COLUMNS = ("name", "id", "weight", "queued", "ahead", "share", "entitled", "enqueued tok",
+               "batches", "stored B", "req/min", "creates/min")  # fmt: skip
+NARROW_TABLES = (
+    ("tenants: queue and share", ("name", "weight", "queued", "ahead", "share", "entitled")),
+    (
+        "tenants: use / limit",
+        ("name", "enqueued tok", "batches", "stored B", "req/min", "creates/min"),
+    ),
+)
+
+
+def _tokens_limit(tokens: dict[str, Any]) -> int | None:
+    """The enqueued-token limit a one-cell summary shows: the shared figure, else the smallest
+    of the models' (derived per model), else none."""
+    if tokens["limit_per_model"] is not None:
+        return int(tokens["limit_per_model"])
+    limits = [limit for limit in tokens.get("limit_by_model", {}).values() if limit is not None]
+    return min(limits, default=None)
+
+
+def _row(view: dict[str, Any]) -> dict[str, str]:
+    tokens = view["enqueued_tokens"]
+    share = view["share"]
+    return {
+        "name": view["name"],
+        "id": view["id"],
+        "weight": f"{view['weight']:g}",
+        "queued": format_count(sum(q["queued_lines"] for q in view["queue"])),
+        "ahead": format_count(sum(q["lines_ahead"] for q in view["queue"])),
+        "share": percent(share["engine_share"]),
+        "entitled": percent(share["entitled_share"]),
+        "enqueued tok": _of(max(tokens["by_model"].values(), default=0), _tokens_limit(tokens)),
+        "batches": _of(view["batches_in_progress"]["used"], view["batches_in_progress"]["limit"]),
+        "stored B": _of(view["stored_bytes"]["used"], view["stored_bytes"]["limit"]),
+        "req/min": _of(None, view["requests_per_minute"]["limit"]),
+        "creates/min": _of(None, view["batch_creates_per_minute"]["limit"]),
+    }
+
+
+def _table(
+    title: str, columns: tuple[str, ...], rows: list[dict[str, str]], fold_names: bool = False
+) -> Table:
+    table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1))
     for name in columns:
-        table.add_column(name, no_wrap=True)
-    for view in _run(tenants.list_tenants):
-        tokens = view["enqueued_tokens"]
-        share = view["share"]
-        table.add_row(
-            view["name"],
-            view["id"],
-            f"{view['weight']:g}",
-            format_count(sum(q["queued_lines"] for q in view["queue"])),
-            format_count(sum(q["lines_ahead"] for q in view["queue"])),
-            percent(share["engine_share"]),
-            percent(share["entitled_share"]),
-            _of(max(tokens["by_model"].values(), default=0), tokens["limit_per_model"]),
-            _of(view["batches_in_progress"]["used"], view["batches_in_progress"]["limit"]),
-            _of(view["stored_bytes"]["used"], view["stored_bytes"]["limit"]),
-            _of(None, view["requests_per_minute"]["limit"]),
-        )
-    print_whole(console, table)
+        if name == "name" and fold_names:
+            table.add_column(name, overflow="fold")  # a long name on several lines, whole
+        else:
+            table.add_column(name, no_wrap=True)
+    for row in rows:
+        table.add_row(*(row[name] for name in columns))
+    return table
+
+
+def _width(table: Table) -> int:
+    return console.measure(table, options=console.options.update_width(10_000)).maximum
 
 
 def print_tenant(view: dict[str, Any]) -> None:
@@ -84,23 +115,26 @@ def print_tenant(view: dict[str, Any]) -> None:
         table.add_column(name, no_wrap=True)
     overrides = view["overrides"]
     tokens = view["enqueued_tokens"]
+    per_model = tokens.get("limit_by_model", {})
     rows = [
         ("max_enqueued_tokens", tokens["limit_per_model"], None),
         ("max_batches_in_progress", view["batches_in_progress"]["limit"],
          view["batches_in_progress"]["used"]),
         ("max_file_bytes", view["stored_bytes"]["limit"], view["stored_bytes"]["used"]),
         ("requests_per_minute", view["requests_per_minute"]["limit"], None),
+        ("batch_creates_per_minute", view["batch_creates_per_minute"]["limit"], None),
     ]  # fmt: skip
     for name, limit, used in rows:
         own = overrides.get(name)
-        table.add_row(
-            name,
-            DEFAULT if own is None else f"{own:,}",
-            "none" if limit is None else f"{limit:,}",
-            "-" if used is None else f"{used:,}",
-        )
-    for model, held in sorted(tokens["by_model"].items()):
-        table.add_row(f"  enqueued tokens, {model}", "", "", f"{held:,}")
+        shown = "none" if limit is None else f"{limit:,}"
+        if name == "max_enqueued_tokens" and limit is None and any(per_model.values()):
+            shown = "per model"  # derived from each model's measured output
+        table.add_row(name, _override(own), shown, "-" if used is None else f"{used:,}")
+    for model in sorted(set(tokens["by_model"]) | set(per_model)):
+        limit = per_model.get(model, tokens["limit_per_model"])
+        held = tokens["by_model"].get(model, 0)
+        table.add_row(f"  enqueued tokens, {model}", "", "none" if limit is None else f"{limit:,}",
+                      f"{held:,}")  # fmt: skip
     for q in view.get("queue", []):
         table.add_row(f"  queued lines, {q['model']}", "", "",
                       f"{q['queued_lines']:,} ({q['lines_ahead']:,} ahead)")  # fmt: skip
@@ -118,25 +152,41 @@ def show_command(tenant: Annotated[str, typer.Argument(help="The tenant's name o
     """One tenant's overrides, the limits in force and its use of them."""
     from api.services import tenants
 
-    print_tenant(_run(lambda session, settings: tenants.show(session, settings, tenant)))
+    print_tenant(in_transaction(lambda session, settings: tenants.show(session, settings, tenant)))
+
+
+def _override(own: int | None) -> str:
+    if own is None:
+        return DEFAULT
+    return UNLIMITED_WORD if own == UNLIMITED else f"{own:,}"
 
 
 def _limit(value: str | None) -> tuple[bool, int | None]:
-    """``(given, value)`` of a ``--<limit>`` option: a number, or ``default``."""
+    """``(given, value)`` of a ``--<limit>`` option: a number, ``unlimited`` (stored as
+    ``UNLIMITED``) or ``default``."""
     if value is None:
         return False, None
     if value == DEFAULT:
         return True, None
+    if value == UNLIMITED_WORD:
+        return True, UNLIMITED
     try:
         number = int(float(value))
     except ValueError:
-        raise typer.BadParameter(f"{value!r} is neither a number nor {DEFAULT!r}") from None
+        raise typer.BadParameter(
+            f"{value!r} is neither a number, {UNLIMITED_WORD!r} nor {DEFAULT!r}"
+        ) from None
+    if number < 0:
+        raise typer.BadParameter(f"{value!r}: a limit is >= 0, or {UNLIMITED_WORD!r} for none")
     return True, number
 
 
 LimitOption = Annotated[
     str | None,
-    typer.Option(help="An integer >= 0 (0 refuses everything), or 'default' for the setting's."),
+    typer.Option(
+        help="An integer >= 0 (0 refuses everything), 'unlimited' for no limit, or 'default' "
+        "for the setting's."
+    ),
 ]
 
 
@@ -150,6 +200,7 @@ def set_command(
     max_batches_in_progress: LimitOption = None,
     max_file_bytes: LimitOption = None,
     requests_per_minute: LimitOption = None,
+    batch_creates_per_minute: LimitOption = None,
 ) -> None:
     """Set a tenant's weight and limit overrides; options left out are left alone. New figures
     apply to the next create, upload or validation, and to the tenant's keys' rate limit
@@ -162,6 +213,7 @@ def set_command(
         ("max_batches_in_progress", max_batches_in_progress),
         ("max_file_bytes", max_file_bytes),
         ("requests_per_minute", requests_per_minute),
+        ("batch_creates_per_minute", batch_creates_per_minute),
     ):
         given, value = _limit(raw)
         if given:
@@ -169,5 +221,7 @@ def set_command(
     if not changes:
         raise typer.BadParameter("nothing to set: give --weight or a limit")
     print_tenant(
-        _run(lambda session, settings: tenants.set_overrides(session, settings, tenant, changes))
+        in_transaction(
+            lambda session, settings: tenants.set_overrides(session, settings, tenant, changes)
+        )
     )

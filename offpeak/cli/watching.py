@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import typer
 from openai import OpenAI
@@ -19,7 +20,7 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn
 from rich.text import Text
 
 from offpeak.cli import client as client_tools
-from offpeak.cli import exit_codes
+from offpeak.cli import exit_codes, partial_results
 from offpeak.statuses import BatchStatus
 
 #: Seconds between two reads of ``/healthz`` while waiting (each may warn once).
@@ -90,6 +91,7 @@ def wait_with_progress(
     *,
     model: str | None = None,
     warn: Callable[[str], None] | None = None,
+    on_poll: Callable[[Batch], None] | None = None,
 ) -> Batch:
     """Poll until the batch ends, with a progress bar of request lines (``BarState``: finished
     lines, moving with the server's ETA while lines run, never back), the finished count, output
@@ -97,7 +99,8 @@ def wait_with_progress(
 
     With ``warn``, reads ``/healthz`` every ``HEALTH_EVERY_SECONDS`` while the batch runs and
     calls ``warn`` (once per kind) when no live engine worker serves the batch's model (the
-    server's, else ``model``) or no control worker is alive. It never fails the wait."""
+    server's, else ``model``) or no control worker is alive. It never fails the wait.
+    ``on_poll``: called with the batch after each poll (``offpeak watch --results``)."""
     warned: set[str] = set()
     next_health = 0.0
     bar = BarState()
@@ -131,8 +134,14 @@ def wait_with_progress(
                 detail=f"{batch.status} · {tokens:,} out tok · {rate:,.0f} tok/s",
                 eta=eta,
             )
+            if on_poll is not None:
+                on_poll(batch)
             if batch.status in BatchStatus.FINAL:
                 return _billed(client, batch, poll)
+            late = (batch.model_extra or {}).get("completion_warning")
+            if warn is not None and late and "late" not in warned:
+                warned.add("late")
+                warn(str(late.get("message", late)))
             if warn is not None and time.monotonic() >= next_health:
                 next_health = time.monotonic() + HEALTH_EVERY_SECONDS
                 answer = client_tools.health(client)
@@ -160,6 +169,16 @@ def _billed(client: OpenAI, batch: Batch, poll: float, tries: int = 10) -> Batch
     return batch
 
 
+def _append_rest(client: OpenAI, batch_id: str, path: Path, poll: float = 0.5) -> None:
+    """After the batch ended: append its lines until the file holds them all (the last may
+    show a moment after the status, while older writes of other batches commit)."""
+    while True:
+        partial_results.append_ready(client, batch_id, path)
+        if partial_results.complete(client, batch_id, path):
+            return
+        time.sleep(poll)
+
+
 def resume_hint(batch_id: str) -> str:
     """What Ctrl-C prints: the batch runs on, and the command that watches it again."""
     return (
@@ -181,11 +200,18 @@ def failed_lines_hint(batch: Batch) -> str | None:
     )
 
 
-def wait_and_exit(client: OpenAI, batch_id: str, model: str | None, console: Console) -> None:
+def wait_and_exit(
+    client: OpenAI,
+    batch_id: str,
+    model: str | None,
+    console: Console,
+    results: Path | None = None,
+) -> None:
     """Show progress until the batch ends, print its summary, and exit with its outcome
     (``exit_codes.FOR_STATUS``: 0 completed, 3 failed, 4 expired, 5 cancelled), saying on
     stderr why when it is not 0 and where the failed lines' errors are. Ctrl-C exits 130 with
-    the command that watches the batch again."""
+    the command that watches the batch again. With ``results``, appends the batch's lines to
+    that file as they end (``offpeak.cli.partial_results``), every line once it has ended."""
     # Warnings go to stderr (inside the progress display on a terminal), never failing.
     stderr = Console(stderr=True, soft_wrap=True)
     try:
@@ -195,7 +221,12 @@ def wait_and_exit(client: OpenAI, batch_id: str, model: str | None, console: Con
             console,
             model=model,
             warn=lambda message: stderr.print(Text.assemble(("warning: ", "yellow"), message)),
+            on_poll=None
+            if results is None
+            else lambda _batch: partial_results.append_ready(client, batch_id, results),
         )
+        if results is not None:
+            _append_rest(client, batch_id, results)
     except KeyboardInterrupt:
         stderr.print(resume_hint(batch_id))
         raise typer.Exit(exit_codes.INTERRUPTED) from None

@@ -1,6 +1,7 @@
 """The batch endpoints, one module each, and the registry everything asks (``ENDPOINTS``).
 
-Each module (``chat_completions``, ``completions``, ``responses``, ``embeddings`` …) holds its
+Each module (``chat_completions``, ``completions``, ``responses``, ``embeddings``, ``score``,
+``rerank`` …) holds its
 endpoint's request body as a pydantic model, how a parsed body becomes engine input, and how a
 finished line's record becomes its output body. Adding an endpoint is one new module and one
 entry in ``ENDPOINTS``.
@@ -30,7 +31,9 @@ from offpeak.endpoints.chat_completions import ChatCompletions
 from offpeak.endpoints.completions import Completions
 from offpeak.endpoints.embeddings import Embeddings
 from offpeak.endpoints.errors import LineError
+from offpeak.endpoints.rerank import Rerank
 from offpeak.endpoints.responses import Responses
+from offpeak.endpoints.score import Score
 
 __all__ = [
     "BATCH_ENDPOINTS",
@@ -43,6 +46,7 @@ __all__ = [
     "Tokenizer",
     "get",
     "openai_line",
+    "record_line",
 ]
 
 #: Batch endpoints served here, by url.
@@ -53,6 +57,8 @@ ENDPOINTS: dict[str, Endpoint[Any]] = {
         Completions(),
         Responses(),
         Embeddings(),
+        Score(),
+        Rerank(),
         AnthropicMessages(),
     )
 }
@@ -90,6 +96,12 @@ def openai_line(custom_id: str, stored: str) -> bytes:
     record = records.load(stored)
     if record is None:
         return stored.encode()
+    return record_line(custom_id, record)
+
+
+def record_line(custom_id: str, record: records.Answer | records.Failure) -> bytes:
+    """``openai_line`` of a record already loaded. Raises ``LineError`` for a record of an
+    endpoint no longer served."""
     if isinstance(record, records.Answer):
         status, body = 200, get(record.endpoint).render(record)
     else:

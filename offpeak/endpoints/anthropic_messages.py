@@ -5,9 +5,11 @@ an answer (``render``), and the result line of each finished request (``result_l
 
 Shapes, ranges and wording follow Anthropic's API reference (Messages, Message Batches): a
 request's params are checked one by one when it runs, and a request this server cannot honour
-(``stream``, ``tools``, image content, ``thinking`` …) ends ``errored`` with an
+(``stream``, server tools, image content, ``thinking`` …) ends ``errored`` with an
 ``invalid_request_error`` naming the parameter, while the rest of the batch runs. Messages are
-worded as Anthropic's are: ``<param path>: <what is wrong>``.
+worded as Anthropic's are: ``<param path>: <what is wrong>``. Client tools (``tools`` with an
+``input_schema``, ``tool_choice``, ``tool_use`` / ``tool_result`` blocks) work as on chat lines
+(``offpeak.endpoints.tools``), the calls answered as ``tool_use`` blocks.
 """
 
 from __future__ import annotations
@@ -15,12 +17,23 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
-from pydantic_core import ErrorDetails
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import ErrorDetails, PydanticCustomError
 
-from offpeak.endpoints.base import Endpoint, EngineInput, SamplingSpec, Tokenizer
+from offpeak.endpoints import tools
+from offpeak.endpoints.base import Endpoint, EngineInput, SamplingSpec, StructuredOutput, Tokenizer
 from offpeak.endpoints.errors import LineError, fail
 from offpeak.endpoints.records import Answer, Failure
+from offpeak.endpoints.tools import Tool, ToolChoice
 
 URL = "/v1/messages"
 
@@ -32,7 +45,9 @@ def on_surface(path: str) -> bool:
 
 
 #: Known Messages API parameters a batch here cannot honour: set, they fail the request alone.
-UNSUPPORTED = ("stream", "tools", "tool_choice", "thinking", "mcp_servers", "container")
+UNSUPPORTED = ("stream", "thinking", "mcp_servers", "container")
+#: Content blocks that carry a tool call (an assistant's) or its result (a user's).
+TOOL_BLOCKS = {"tool_use": "assistant", "tool_result": "user"}
 
 
 def _text(content: Any, info: ValidationInfo) -> str:
@@ -61,11 +76,128 @@ def _text(content: Any, info: ValidationInfo) -> str:
 Text = Annotated[str, BeforeValidator(_text)]
 
 
+class ToolUseBlock(BaseModel):
+    """An earlier call in an assistant turn: ``id``, ``name``, ``input`` (an object)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(BaseModel):
+    """A call's result in a user turn: ``tool_use_id`` and its ``content`` (text)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Text = ""
+    is_error: bool | None = None
+
+
 class MessageParam(BaseModel):
+    """A turn: its text, and the ``tool_use`` (assistant) or ``tool_result`` (user) blocks
+    taken out of its content list (``tool_blocks``)."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
 
     role: Literal["user", "assistant"]
     content: Text
+    tool_blocks: list[ToolUseBlock | ToolResultBlock] = []
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split(cls, data: Any) -> Any:
+        content = data.get("content") if isinstance(data, dict) else None
+        if not isinstance(content, list):
+            return data
+        blocks = [b for b in content if isinstance(b, dict) and b.get("type") in TOOL_BLOCKS]
+        for block in blocks:
+            if data.get("role") != TOOL_BLOCKS[block["type"]]:
+                raise fail(
+                    "invalid_value",
+                    f"{{param}}: {block['type']} blocks belong in "
+                    f"{TOOL_BLOCKS[block['type']]} turns",
+                )
+        if not blocks:
+            return data
+        text = [b for b in content if not (isinstance(b, dict) and b.get("type") in TOOL_BLOCKS)]
+        return {**data, "content": text, "tool_blocks": blocks}
+
+
+def _anthropic_tools(value: Any) -> tuple[Tool, ...]:
+    """``tools``: client tools, ``{name, description, input_schema}`` (``type`` absent or
+    ``custom``). A server tool (``web_search_20250305``, ``code_execution_…``, ``bash_…``,
+    ``text_editor_…``, ``computer_…`` …) needs the server to act and is refused."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise fail("invalid_type", "tools: Input should be a valid list", "tools")
+    out = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict):
+            raise fail("invalid_type", f"tools.{i}: Input should be an object", f"tools.{i}")
+        kind = tool.get("type", "custom")
+        if kind != "custom":
+            raise fail(
+                "unsupported_value",
+                f"tools.{i}.type: server tool {kind!r} is not supported by this server; only "
+                "client tools (name, description, input_schema) are",
+                f"tools.{i}.type",
+            )
+        if "input_schema" not in tool:
+            raise fail(
+                "missing",
+                f"tools.{i}.input_schema: Field required",
+                f"tools.{i}.input_schema",
+            )
+        param = f"tools.{i}"
+        try:
+            out.append(
+                tools.function_tool(
+                    tool.get("name"),
+                    tool.get("description"),
+                    tool["input_schema"],
+                    param,
+                    schema_key="input_schema",
+                )
+            )
+        except PydanticCustomError as exc:
+            raise _anthropic_wording(exc) from None
+    try:
+        return tools.unique(out, "tools")
+    except PydanticCustomError as exc:
+        raise _anthropic_wording(exc) from None
+
+
+def _anthropic_wording(exc: PydanticCustomError) -> PydanticCustomError:
+    """A shared check's error (OpenAI's wording) in Anthropic's: ``<param>: <message>``."""
+    context = exc.context or {}
+    param = context.get("param") or "tools"
+    return fail(exc.type, f"{param}: {context.get('message', exc.message())}", param)
+
+
+def _anthropic_choice(value: Any) -> ToolChoice | None:
+    """``tool_choice``: ``{"type": "auto" | "any" | "none"}`` or ``{"type": "tool", "name"}``,
+    with ``disable_parallel_tool_use``; ``any`` is chat's ``required``."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    modes = {"auto": "auto", "any": "required", "none": "none", "tool": "named"}
+    if kind not in modes:
+        raise fail(
+            "invalid_value",
+            "tool_choice.type: Input should be 'auto', 'any', 'tool' or 'none'",
+            "tool_choice.type",
+        )
+    name = value.get("name")
+    if kind == "tool" and not isinstance(name, str):
+        raise fail("missing", "tool_choice.name: Field required", "tool_choice.name")
+    parallel = value.get("disable_parallel_tool_use") is not True
+    return ToolChoice(modes[kind], name if kind == "tool" else None, parallel)  # type: ignore[arg-type]
 
 
 class Metadata(BaseModel):
@@ -90,9 +222,13 @@ class MessageParams(BaseModel):
     stop_sequences: list[str] | None = None
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
+    #: The tool choice in force (``tool_choice``, else ``auto`` with tools and ``none``
+    #: without) and the structured output forcing its call (``None``: not forced).
+    _choice: ToolChoice = PrivateAttr(ToolChoice("none"))
+    _forced: StructuredOutput | None = PrivateAttr(None)
     stream: Any = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: Annotated[tuple[Tool, ...], BeforeValidator(_anthropic_tools)] = ()
+    tool_choice: Annotated[ToolChoice | None, BeforeValidator(_anthropic_choice)] = None
     thinking: Any = None
     mcp_servers: Any = None
     container: Any = None
@@ -110,10 +246,11 @@ class MessageParams(BaseModel):
     @field_validator("messages")
     @classmethod
     def _non_empty(cls, value: list[MessageParam]) -> list[MessageParam]:
-        # Anthropic's rule: every turn has text, except a final assistant turn (a prefill).
+        # Anthropic's rule: every turn has text (or a tool block), except a final assistant
+        # turn (a prefill).
         for i, message in enumerate(value):
             last_assistant = i == len(value) - 1 and message.role == "assistant"
-            if not message.content and not last_assistant:
+            if not message.content and not message.tool_blocks and not last_assistant:
                 raise fail(
                     "invalid_value",
                     f"messages.{i}: all messages must have non-empty content except for the "
@@ -134,20 +271,46 @@ class MessageParams(BaseModel):
                 )
         return value
 
+    @model_validator(mode="after")
+    def _tool_choice(self) -> MessageParams:
+        choice = self.tool_choice or ToolChoice("auto" if self.tools else "none")
+        try:
+            self._choice = tools.check_choice(choice, self.tools, "tool_choice")
+            self._forced = tools.forced_schema(self.tools, self._choice, "tools")
+        except PydanticCustomError as exc:
+            raise _anthropic_wording(exc) from None
+        return self
 
-def turns(body: MessageParams) -> list[dict[str, str]]:
+
+def turns(body: MessageParams) -> list[dict[str, Any]]:
     """Chat-template messages of ``body``: the system prompt first, then the turns, consecutive
-    turns of one role joined into one (Anthropic's rule), the text of each joined by a blank
-    line."""
-    out: list[dict[str, str]] = []
+    text turns of one role joined into one (Anthropic's rule), the text of each joined by a
+    blank line. An assistant turn's ``tool_use`` blocks are its ``tool_calls``; a user turn's
+    ``tool_result`` blocks are ``tool`` messages, before its text."""
+    out: list[dict[str, Any]] = []
     if body.system:
         out.append({"role": "system", "content": body.system})
     for message in body.messages:
-        if out and out[-1]["role"] == message.role:
+        for block in message.tool_blocks:
+            if isinstance(block, ToolResultBlock):
+                result = {"role": "tool", "tool_call_id": block.tool_use_id}
+                out.append({**result, "content": block.content})
+        calls = [
+            {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+            for b in message.tool_blocks
+            if isinstance(b, ToolUseBlock)
+        ]
+        if not message.content and (calls or message.tool_blocks):
+            if calls:
+                out.append({"role": message.role, "content": "", "tool_calls": calls})
+            continue
+        if out and out[-1]["role"] == message.role and "tool_calls" not in out[-1]:
             joined = out[-1]["content"] + "\n\n" + message.content
             out[-1] = {"role": message.role, "content": joined}
         else:
             out.append({"role": message.role, "content": message.content})
+        if calls:
+            out[-1] = {**out[-1], "tool_calls": calls}
     return out
 
 
@@ -198,15 +361,23 @@ class AnthropicMessages(Endpoint[MessageParams]):
             raise LineError(f"model: {body.model}", "model", "not_found_error", status_code=404)
         messages = turns(body)
         prefill = ""
-        if len(messages) > 1 and messages[-1]["role"] == "assistant":
+        last = messages[-1]
+        if len(messages) > 1 and last["role"] == "assistant" and "tool_calls" not in last:
             prefill = messages.pop()["content"]
             if prefill != prefill.rstrip():
                 raise LineError(
                     "messages: final assistant content cannot end with trailing whitespace",
                     "messages",
                 )
+        choice = body._choice
+        # ``none`` leaves the tools out, so the model is not prompted to call one.
+        offered = [t.template_dict() for t in body.tools] if choice.mode != "none" else []
         try:
-            prompt_ids = tokenizer.encode_chat(messages)
+            prompt_ids = (
+                tokenizer.encode_chat(messages, tools=offered)
+                if offered
+                else tokenizer.encode_chat(messages)
+            )
         except ValueError as exc:
             raise LineError(f"messages: cannot be rendered: {exc}", "messages") from None
         if prefill:
@@ -223,19 +394,42 @@ class AnthropicMessages(Endpoint[MessageParams]):
             top_p=1.0 if body.top_p is None else max(float(body.top_p), 1e-9),
             top_k=body.top_k or 0,
             stop=tuple(body.stop_sequences or ()),
+            structured_output=body._forced,
         )
-        return EngineInput(prompt_ids, sampling)
+        if not offered:
+            return EngineInput(prompt_ids, sampling)
+        parser = getattr(tokenizer, "tool_parser", tools.DEFAULT_PARSER)
+        echo = {"tool_calls": tools.echo(choice, body.tools, parser)}
+        return EngineInput(prompt_ids, sampling, echo=echo)
 
     def render(self, answer: Answer) -> dict[str, Any]:
-        """A Messages API ``message``: one ``text`` block; ``stop_reason`` ``end_turn``,
+        """A Messages API ``message``: one ``text`` block, or, when the model called tools, a
+        ``tool_use`` block per call (``id`` ``toolu_…``, ``name``, ``input``) after the text
+        it wrote too, with ``stop_reason`` ``tool_use`` (``max_tokens`` when the calls kept
+        were cut short); else ``stop_reason`` ``end_turn``,
         ``max_tokens`` or ``stop_sequence`` (with the matched ``stop_sequence``); ``usage`` in
         Anthropic's terms, where ``input_tokens`` leaves out the prompt tokens read from the
         prefix cache (``cache_read_input_tokens``)."""
         completion = answer.completions[0]
+        text, calls = tools.calls(completion.text, (answer.echo or {}).get("tool_calls"))
+        content: list[dict[str, Any]] = (
+            [{"type": "text", "text": text}] if text or not calls else []
+        )
+        content += [
+            {
+                "type": "tool_use",
+                "id": tools.call_id("toolu_", answer.response_id, 0, i),
+                "name": call.name,
+                "input": call.input(),
+            }
+            for i, call in enumerate(calls)
+        ]
         if completion.finish_reason == "length":
             stop_reason, stop_sequence = "max_tokens", None
         elif completion.stop_sequence is not None:
             stop_reason, stop_sequence = "stop_sequence", completion.stop_sequence
+        elif calls:
+            stop_reason, stop_sequence = "tool_use", None
         else:
             stop_reason, stop_sequence = "end_turn", None
         return {
@@ -243,7 +437,7 @@ class AnthropicMessages(Endpoint[MessageParams]):
             "type": "message",
             "role": "assistant",
             "model": answer.model,
-            "content": [{"type": "text", "text": completion.text}],
+            "content": content,
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
             "usage": {

@@ -34,10 +34,20 @@ class Tokenizer(Protocol):
     #: Context window in tokens (prompt + completion).
     max_model_len: int
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of ``messages`` (``{role, content}`` with text content) rendered with the
-        model's chat template and the assistant's generation prompt. Raises ``ValueError`` for
-        messages the template cannot render."""
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids of the model's vocabulary are ``0 .. vocab_size - 1`` (``logit_bias`` keys
+        are checked against it); ``None`` where only a remote server knows it, which checks."""
+        ...
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of ``messages`` (``{role, content}`` with text content; an assistant's may
+        carry ``tool_calls``, a ``tool`` message ``tool_call_id``) rendered with the model's chat
+        template and the assistant's generation prompt, offering ``tools`` (OpenAI's chat tool
+        shape; endpoints pass it only when there are tools). Raises ``ValueError`` for messages
+        the template cannot render."""
         ...
 
     def encode_text(self, text: str) -> list[int]:
@@ -54,6 +64,8 @@ class SamplingSpec:
     position. ``top_k``: sample from the ``k`` most likely tokens only; 0 for all of them.
     The engine interface (``workers.engine.base``) takes this type as it is.
     ``structured_output``: constrain the completion to JSON (``StructuredOutput``), or ``None``.
+    ``logit_bias``: ``(token id, bias)`` pairs, ascending by id, each bias in -100..100 added to
+    that token's logit before sampling (OpenAI's ``logit_bias``); empty for none.
     """
 
     max_tokens: int
@@ -67,6 +79,7 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
     top_k: int = 0
     structured_output: StructuredOutput | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,6 @@ class CompletionRequest(BaseModel):
 
     model: str
     # Parameters that change what an answer means and that this server cannot honour.
-    logit_bias: Any = None
     echo: Any = None
     suffix: Any = None
     prompt: Annotated[str | list[int], BeforeValidator(_one_prompt)] = Field(
@@ -76,8 +75,11 @@ class CompletionRequest(BaseModel):
     )
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: Annotated[
+        tuple[tuple[int, float], ...], BeforeValidator(fields.logit_bias_pairs)
+    ] = ()
 
-    @field_validator("logit_bias", "echo", "suffix")
+    @field_validator("echo", "suffix")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         return fields.unsupported(value, info)
@@ -104,6 +106,7 @@ class Completions(Endpoint[CompletionRequest]):
         prompt_ids = tokenizer.encode_text(prompt) if isinstance(prompt, str) else prompt
         max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         budget = context_budget(len(prompt_ids), max_tokens, tokenizer.max_model_len, "prompt")
+        fields.check_logit_bias(body.logit_bias, tokenizer)
         return EngineInput(prompt_ids, fields.sampling(body, budget, body.logprobs))
 
     def render(self, answer: Answer) -> dict[str, Any]:

@@ -90,7 +90,7 @@ def line_error(error: ErrorDetails, model: type[BaseModel]) -> LineError:
     if kind in _RANGE and len(loc) == 1 and name in model.model_fields:
         return _out_of_range(name, error["input"], model)
     if kind == "missing":
-        return LineError(f"'{name}' is required.", param, "missing_required_parameter")
+        return LineError(f"'{param}' is required.", param, "missing_required_parameter")
     return LineError(f"Invalid '{param}': {error['msg']}.", param, "invalid_value")
 
 

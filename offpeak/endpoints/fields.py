@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 from pydantic import ConfigDict, ValidationInfo
 
-from offpeak.endpoints.base import SamplingSpec, StructuredOutput
-from offpeak.endpoints.errors import fail
+from offpeak.endpoints.base import SamplingSpec, StructuredOutput, Tokenizer
+from offpeak.endpoints.errors import LineError, fail
 
 #: Body models: strict types (``"8"`` is not an integer, ``true`` not a number), and unknown
 #: parameters allowed, as OpenAI's endpoints ignore parameters they do not know.
@@ -21,6 +21,11 @@ BODY_CONFIG = ConfigDict(strict=True, extra="allow")
 MAX_N = 128
 MAX_STOP = 4
 INT64 = (-(2**63), 2**63 - 1)
+#: ``logit_bias`` values (OpenAI's API reference: "values between -100 and 100").
+LOGIT_BIAS_RANGE = (-100, 100)
+#: Most ``logit_bias`` entries: what vLLM's GPU model runner takes per request
+#: (``vllm.v1.worker.gpu.sample.logit_bias.MAX_NUM_LOGIT_BIAS_TOKENS``).
+MAX_LOGIT_BIAS = 1024
 
 
 def unsupported(value: Any, info: ValidationInfo) -> Any:
@@ -75,6 +80,75 @@ def stop_sequences(stop: Any) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
+def logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` (a JSON object mapping token ids, as strings of digits, to a bias in
+    -100..100, or null) as ``(token id, bias)`` pairs ascending by id. Wording of OpenAI's
+    400s: "Invalid key in 'logit_bias': AI. You should only be submitting non-negative
+    integers." Whether each id is in the model's vocabulary is ``check_logit_bias``'s."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise fail(
+            "invalid_type",
+            f"Invalid type for 'logit_bias': expected an object, but got "
+            f"{_json_kind(value)} instead.",
+            "logit_bias",
+        )
+    if len(value) > MAX_LOGIT_BIAS:
+        raise fail(
+            "invalid_value",
+            f"Invalid 'logit_bias': {len(value)} entries; at most {MAX_LOGIT_BIAS}.",
+            "logit_bias",
+        )
+    low, high = LOGIT_BIAS_RANGE
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdecimal()):
+            raise fail(
+                "invalid_value",
+                f"Invalid key in 'logit_bias': {key}. You should only be submitting "
+                "non-negative integers.",
+                "logit_bias",
+            )
+        number = isinstance(bias, int | float) and not isinstance(bias, bool)
+        if not number or not low <= bias <= high:  # NaN fails the comparison too
+            raise fail(
+                "invalid_value",
+                f"Invalid value for 'logit_bias' key {key}: {bias!r}. You should only be "
+                f"submitting numbers between {low} and {high}.",
+                "logit_bias",
+            )
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
+def check_logit_bias(pairs: tuple[tuple[int, float], ...], tokenizer: Tokenizer) -> None:
+    """Raises ``LineError`` (``invalid_value``, param ``logit_bias``) for a token id outside
+    the model's vocabulary; an engine that does not know its vocabulary here
+    (``vocab_size`` ``None``: a remote server's) leaves the check to the server."""
+    vocab = tokenizer.vocab_size if pairs else None
+    if vocab is None:
+        return
+    outside = [token for token, _bias in pairs if token >= vocab]
+    if outside:
+        raise LineError(
+            f"Invalid key in 'logit_bias': {outside[0]}. The model's token ids are 0 to "
+            f"{vocab - 1}.",
+            "logit_bias",
+            "invalid_value",
+        )
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "an array" if isinstance(value, list) else "another type"
+
+
 def positive_top_p(top_p: float | None) -> float | None:
     # ``ge=0`` words the range as OpenAI does; 0 itself would sample from nothing.
     if top_p == 0:
@@ -98,6 +172,7 @@ class SamplingFields(Protocol):
     seed: int | None
     presence_penalty: float | None
     frequency_penalty: float | None
+    logit_bias: tuple[tuple[int, float], ...]
 
 
 def sampling(
@@ -119,6 +194,7 @@ def sampling(
         _or(body.presence_penalty, 0.0),
         _or(body.frequency_penalty, 0.0),
         structured_output,
+        body.logit_bias,
     )
 
 
@@ -134,6 +210,7 @@ def _spec(
     presence_penalty: float,
     frequency_penalty: float,
     structured_output: StructuredOutput | None,
+    logit_bias: tuple[tuple[int, float], ...],
 ) -> SamplingSpec:
     """One ``SamplingSpec`` per distinct set of values: a batch's lines mostly ask the same, and
     building the frozen dataclass was a large share of preparing a chat line for the engine
@@ -149,6 +226,7 @@ def _spec(
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         structured_output=structured_output,
+        logit_bias=logit_bias,
     )
 
 

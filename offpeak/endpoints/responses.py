@@ -3,20 +3,24 @@
 model's chat template) and the ``response`` object of an answer.
 
 Shapes follow OpenAI's API reference (Responses, "Create a model response" and "The response
-object"). A batch line is one stateless text turn, so what needs state, tools or a stream fails
-its line alone with a 400 naming the parameter: ``tools`` (and a ``tool_choice`` that would call
-one), ``previous_response_id``, ``conversation``, ``background``, ``prompt`` (a stored prompt),
+object"). Function tools (``tools`` of type ``function``, ``tool_choice``, ``function_call`` and
+``function_call_output`` input items) work as on chat lines (``offpeak.endpoints.tools``), the
+calls answered as ``function_call`` output items. A batch line is one stateless turn, so what
+needs state, the server to act or a stream fails its line alone with a 400 naming the
+parameter: built-in tools (``web_search``, ``file_search`` …), ``previous_response_id``,
+``conversation``, ``background``, ``prompt`` (a stored prompt),
 ``reasoning``, ``include``, ``top_logprobs``, ``truncation: "auto"``, ``context_management``,
 ``stream`` (unlike chat and completions lines, whose ``stream: true`` fails the whole
 file with ``streaming_unsupported``, ``refuses_file_for_stream``). ``store``, ``user``,
-``safety_identifier``, ``prompt_cache_key``, ``service_tier``, ``parallel_tool_calls``,
-``max_tool_calls`` and ``text.verbosity`` change nothing here and are accepted.
+``safety_identifier``, ``prompt_cache_key``, ``service_tier``, ``max_tool_calls`` and
+``text.verbosity`` change nothing here and are accepted.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import orjson
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -28,7 +32,7 @@ from pydantic import (
     model_validator,
 )
 
-from offpeak.endpoints import fields, structured
+from offpeak.endpoints import fields, structured, tools
 from offpeak.endpoints.base import (
     Endpoint,
     EngineInput,
@@ -39,6 +43,7 @@ from offpeak.endpoints.base import (
 )
 from offpeak.endpoints.errors import LineError, fail
 from offpeak.endpoints.records import Answer
+from offpeak.endpoints.tools import Tool, ToolChoice
 
 URL = "/v1/responses"
 #: Input message roles, as the chat template names them (``developer`` is the newer ``system``).
@@ -57,7 +62,6 @@ ECHOED = (
     "top_p",
     "text",
     "parallel_tool_calls",
-    "tool_choice",
     "truncation",
     "user",
     "safety_identifier",
@@ -86,15 +90,39 @@ def _content(content: Any) -> str:
     return "".join(texts)
 
 
-class InputMessage(BaseModel):
-    """One ``input`` item: a message with text content (other keys, such as ``id`` or
-    ``status`` of a replayed output message, are ignored)."""
+#: Input item types and the fields each needs (``_input`` checks they are there).
+ITEMS = {
+    "message": ("role", "content"),
+    "function_call": ("call_id", "name", "arguments"),
+    "function_call_output": ("call_id", "output"),
+}
+
+
+class InputItem(BaseModel):
+    """One ``input`` item: a message with text content, an earlier ``function_call`` (its
+    ``arguments`` JSON text of an object) or a ``function_call_output`` answering one (other
+    keys, such as ``id`` or ``status`` of a replayed output item, are ignored)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: Annotated[str, BeforeValidator(_content)]
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: Annotated[str | None, BeforeValidator(_content)] = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: Annotated[str | None, BeforeValidator(_content)] = None
+
+    @field_validator("arguments")
+    @classmethod
+    def _object(cls, value: str | None) -> str | None:
+        try:
+            parsed = orjson.loads(value or "")
+        except orjson.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise fail("invalid_value", "Invalid '{param}': expected JSON text of an object.")
+        return value
 
 
 def _input(value: Any) -> list[dict[str, Any]]:
@@ -111,14 +139,70 @@ def _input(value: Any) -> list[dict[str, Any]]:
         )
     for i, item in enumerate(value):
         kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind != "message":
+        if kind not in ITEMS:
             raise fail(
                 "unsupported_value",
-                f"Invalid 'input[{i}]': only message items with text content are supported in a "
-                f"batch here, not {kind!r}.",
+                f"Invalid 'input[{i}]': only message (text), function_call and "
+                f"function_call_output items are supported in a batch here, not {kind!r}.",
                 f"input[{i}].type",
             )
+        for key in ITEMS[kind]:
+            if key not in item:
+                raise fail(
+                    "missing_required_parameter",
+                    f"'input[{i}].{key}' is required.",
+                    f"input[{i}].{key}",
+                )
     return value
+
+
+def _tools(value: Any) -> tuple[Tool, ...]:
+    """``tools``: function tools, ``{"type": "function", name, description, parameters,
+    strict}``. A built-in tool (``web_search``, ``file_search``, ``code_interpreter``,
+    ``computer_use_preview``, ``mcp``, ``image_generation`` …) needs the server to act and is
+    refused."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise fail("invalid_type", "Invalid type for 'tools': expected an array.", "tools")
+    out = []
+    for i, tool in enumerate(value):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise fail(
+                "unsupported_value",
+                f"Invalid 'tools[{i}]': the tool type {kind!r} needs the server to act, which "
+                "a batch here does not; only 'function' tools are supported.",
+                f"tools[{i}].type",
+            )
+        param = f"tools[{i}]"
+        out.append(
+            tools.function_tool(
+                tool.get("name"), tool.get("description"), tool.get("parameters"), param
+            )
+        )
+    return tools.unique(out, "tools")
+
+
+def _tool_choice(value: Any) -> ToolChoice | None:
+    """``tool_choice``: ``none``, ``auto``, ``required`` or ``{"type": "function", "name"}``;
+    a choice of a built-in tool, ``allowed_tools``, ``mcp`` or ``custom`` is refused."""
+    if value is None:
+        return None
+    if value in ("none", "auto", "required"):
+        return ToolChoice(value)
+    if not isinstance(value, dict) or value.get("type") != "function":
+        raise fail(
+            "unsupported_value",
+            "Invalid 'tool_choice': expected 'none', 'auto', 'required' or "
+            '{"type": "function", "name": ...}; this server runs no built-in tools.',
+            "tool_choice",
+        )
+    if not isinstance(value.get("name"), str):
+        raise fail(
+            "missing_required_parameter", "'tool_choice.name' is required.", "tool_choice.name"
+        )
+    return ToolChoice("named", value["name"])
 
 
 def _metadata(value: Any) -> dict[str, str] | None:
@@ -147,9 +231,9 @@ class ResponseRequest(BaseModel):
     model_config = fields.BODY_CONFIG
 
     model: str
-    # Set, these need state, tools or a stream, which a batch line does not have.
+    # Set, these need state or a stream, which a batch line does not have.
     stream: Any = None
-    tools: Any = None
+    tools: Annotated[tuple[Tool, ...], BeforeValidator(_tools)] = ()
     previous_response_id: Any = None
     conversation: Any = None
     background: Any = None
@@ -158,27 +242,28 @@ class ResponseRequest(BaseModel):
     include: Any = None
     top_logprobs: Any = None
     context_management: Any = None
-    tool_choice: Any = None
+    tool_choice: Annotated[ToolChoice | None, BeforeValidator(_tool_choice)] = None
     truncation: Literal["auto", "disabled"] | None = None
-    input: Annotated[list[InputMessage], BeforeValidator(_input)] = Field(
-        None, validate_default=True
-    )
+    input: Annotated[list[InputItem], BeforeValidator(_input)] = Field(None, validate_default=True)
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     text: dict[str, Any] | None = None
     metadata: Annotated[dict[str, str] | None, BeforeValidator(_metadata)] = None
-    # Accepted and echoed; they change nothing in a batch here.
     parallel_tool_calls: bool | None = None
+    # Accepted and echoed; they change nothing in a batch here.
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     _format: StructuredOutput | None = PrivateAttr(None)
+    #: The tool choice in force (``tool_choice``, else ``auto`` with tools and ``none``
+    #: without) and the structured output forcing its call (``None``: not forced).
+    _choice: ToolChoice = PrivateAttr(ToolChoice("none"))
+    _forced: StructuredOutput | None = PrivateAttr(None)
 
     @field_validator(
         "stream",
-        "tools",
         "previous_response_id",
         "conversation",
         "background",
@@ -191,19 +276,6 @@ class ResponseRequest(BaseModel):
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         return fields.unsupported(value, info)
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_call(cls, value: Any) -> Any:
-        # "auto" and "none" with no tools both mean: answer in text.
-        if value not in (None, "auto", "none"):
-            raise fail(
-                "unsupported_value",
-                "'tool_choice' other than 'auto' or 'none' is not supported: this server runs "
-                "no tools.",
-                "tool_choice",
-            )
-        return value
 
     @field_validator("truncation")
     @classmethod
@@ -225,7 +297,38 @@ class ResponseRequest(BaseModel):
     def _text_format(self) -> ResponseRequest:
         if self.text is not None:
             self._format = structured.responses_format(self.text.get("format"))
+        choice = self.tool_choice or ToolChoice("auto" if self.tools else "none")
+        choice = ToolChoice(choice.mode, choice.name, self.parallel_tool_calls is not False)
+        self._choice = tools.check_choice(choice, self.tools, "tool_choice")
+        self._forced = tools.forced_schema(self.tools, self._choice, "tools")
+        if self._forced is not None and self._format is not None:
+            raise fail(
+                "invalid_value",
+                "'text.format' cannot be set with a 'tool_choice' that forces a call.",
+                "text.format",
+            )
         return self
+
+
+def _messages(items: list[InputItem]) -> list[dict[str, Any]]:
+    """Chat-template messages of ``input``: a ``function_call`` joins the assistant turn
+    before it (or starts one), a ``function_call_output`` is a ``tool`` message."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        if item.type == "message":
+            out.append({"role": ROLES[item.role or "user"], "content": item.content or ""})
+        elif item.type == "function_call":
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": orjson.loads(item.arguments or "{}")},
+            }
+            if not out or out[-1]["role"] != "assistant":
+                out.append({"role": "assistant", "content": ""})
+            out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", []), call]}
+        else:
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    return out
 
 
 class Responses(Endpoint[ResponseRequest]):
@@ -236,11 +339,18 @@ class Responses(Endpoint[ResponseRequest]):
     refuses_file_for_stream = False
 
     def engine_input(self, body: ResponseRequest, tokenizer: Tokenizer) -> EngineInput:
-        messages = [{"role": ROLES[m.role], "content": m.content} for m in body.input]
+        messages = _messages(body.input)
         if body.instructions:
             messages.insert(0, {"role": "system", "content": body.instructions})
+        choice = body._choice
+        # ``none`` leaves the tools out, so the model is not prompted to call one.
+        offered = [t.template_dict() for t in body.tools] if choice.mode != "none" else []
         try:
-            prompt_ids = tokenizer.encode_chat(messages)
+            prompt_ids = (
+                tokenizer.encode_chat(messages, tools=offered)
+                if offered
+                else tokenizer.encode_chat(messages)
+            )
         except ValueError as exc:
             raise LineError(f"The input could not be rendered: {exc}", "input") from None
         budget = context_budget(
@@ -250,17 +360,28 @@ class Responses(Endpoint[ResponseRequest]):
             max_tokens=budget,
             temperature=1.0 if body.temperature is None else float(body.temperature),
             top_p=1.0 if body.top_p is None else float(body.top_p),
-            structured_output=body._format,
+            structured_output=body._forced or body._format,
         )
         echo = {name: getattr(body, name) for name in ECHOED if getattr(body, name) is not None}
+        if body.tools:
+            echo["tools"] = [_tool_object(t) for t in body.tools]
+        if body.tool_choice is not None:
+            named = {"type": "function", "name": choice.name}
+            echo["tool_choice"] = named if choice.mode == "named" else choice.mode
+        if offered:
+            parser = getattr(tokenizer, "tool_parser", tools.DEFAULT_PARSER)
+            echo["tool_calls"] = tools.echo(choice, body.tools, parser)
         return EngineInput(prompt_ids, sampling, echo=echo)
 
     def render(self, answer: Answer) -> dict[str, Any]:
-        """A ``response`` object: one assistant ``message`` holding one ``output_text``;
+        """A ``response`` object: one assistant ``message`` holding one ``output_text``, or,
+        when the model called tools, one ``function_call`` item per call (``call_id``,
+        ``name``, ``arguments``, ``status``) after the message of any text it wrote too;
         ``status`` ``incomplete`` (``incomplete_details.reason`` ``max_output_tokens``) when
         the token budget ran out, else ``completed``."""
         echo = answer.echo or {}
         completion = answer.completions[0]
+        content, calls = tools.calls(completion.text, echo.get("tool_calls"))
         complete = completion.finish_reason != "length"
         status = "completed" if complete else "incomplete"
         text = {"format": {"type": "text"}, "verbosity": "medium", **echo.get("text", {})}
@@ -277,23 +398,7 @@ class Responses(Endpoint[ResponseRequest]):
             "max_output_tokens": echo.get("max_output_tokens"),
             "max_tool_calls": None,
             "model": answer.model,
-            "output": [
-                {
-                    "type": "message",
-                    # Derived, not drawn: writing the files again writes the same bytes.
-                    "id": "msg_" + answer.response_id.removeprefix(self.response_id_prefix),
-                    "status": status,
-                    "role": "assistant",
-                    "content": [
-                        {
-                            "type": "output_text",
-                            "text": completion.text,
-                            "annotations": [],
-                            "logprobs": [],
-                        }
-                    ],
-                }
-            ],
+            "output": self._output(answer.response_id, status, content, calls),
             "parallel_tool_calls": echo.get("parallel_tool_calls", True),
             "previous_response_id": None,
             "prompt_cache_key": echo.get("prompt_cache_key"),
@@ -304,7 +409,7 @@ class Responses(Endpoint[ResponseRequest]):
             "temperature": echo.get("temperature", 1.0),
             "text": text,
             "tool_choice": echo.get("tool_choice", "auto"),
-            "tools": [],
+            "tools": echo.get("tools", []),
             "top_logprobs": 0,
             "top_p": echo.get("top_p", 1.0),
             "truncation": echo.get("truncation", "disabled"),
@@ -322,3 +427,44 @@ class Responses(Endpoint[ResponseRequest]):
             "user": echo.get("user"),
             "metadata": echo.get("metadata", {}),
         }
+
+    def _output(
+        self, response_id: str, status: str, content: str | None, calls: list[tools.Call]
+    ) -> list[dict[str, Any]]:
+        # Ids derived, not drawn: writing the files again writes the same bytes.
+        suffix = response_id.removeprefix(self.response_id_prefix)
+        output: list[dict[str, Any]] = []
+        if content is not None or not calls:
+            part = {"type": "output_text", "text": content or "", "annotations": [], "logprobs": []}
+            output.append(
+                {
+                    "type": "message",
+                    "id": "msg_" + suffix,
+                    "status": status,
+                    "role": "assistant",
+                    "content": [part],
+                }
+            )
+        for i, call in enumerate(calls):
+            output.append(
+                {
+                    "type": "function_call",
+                    "id": tools.call_id("fc_", response_id, 0, i),
+                    "call_id": tools.call_id("call_", response_id, 0, i),
+                    "name": call.name,
+                    "arguments": call.arguments,
+                    "status": "completed",
+                }
+            )
+        return output
+
+
+def _tool_object(tool: Tool) -> dict[str, Any]:
+    """A function tool as the response object repeats it."""
+    return {
+        "type": "function",
+        "name": tool.name,
+        "description": tool.description,
+        "parameters": tool.parameters,
+        "strict": None,
+    }

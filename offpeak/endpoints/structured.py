@@ -58,12 +58,14 @@ def responses_format(value: Any) -> StructuredOutput | None:
     return _schema_format(value, "text.format", schema_required=True)
 
 
-def check_schema(schema: Any, param: str, name: str = "") -> None:
+def check_schema(schema: Any, param: str, name: str = "", label: str | None = None) -> None:
     """Refuse a ``schema`` that is not a valid JSON Schema (its meta-schema, formats included:
     a ``pattern`` that is not a regular expression fails). Raises a ``fail`` error with code
-    ``invalid_json_schema`` at ``param``."""
+    ``invalid_json_schema`` at ``param``; ``label`` starts its message (a format's by
+    default)."""
     # OpenAI's wording, which it uses for both APIs' formats.
-    label = f"Invalid schema for response_format {name!r}" if name else "Invalid schema"
+    if label is None:
+        label = f"Invalid schema for response_format {name!r}" if name else "Invalid schema"
     if not isinstance(schema, dict):
         raise fail("invalid_json_schema", f"{label}: a schema must be a JSON object.", param)
     try:

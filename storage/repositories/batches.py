@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import Select, bindparam, event, func, select, update
 from sqlalchemy.orm import Session, SessionTransaction
 
+from offpeak.failure_limit import FailureLimit, exceeded
 from offpeak.statuses import BatchStatus, LineStatus
 from storage.db import Executor, PollQuery
 from storage.models import Batch, RequestLine
@@ -36,8 +37,9 @@ POLL_COLUMNS = (
     Batch.created_at, Batch.in_progress_at, Batch.expires_at, Batch.finalizing_at,
     Batch.completed_at, Batch.failed_at, Batch.expired_at, Batch.cancelling_at,
     Batch.cancelled_at, Batch.total, Batch.completed, Batch.failed, Batch.input_tokens,
-    Batch.cached_tokens, Batch.output_tokens, Batch.metadata_.label("metadata_"),
-    Batch.estimated_completion_at, Batch.estimate,
+    Batch.cached_tokens, Batch.output_tokens, Batch.min_prompt_tokens,
+    Batch.metadata_.label("metadata_"),
+    Batch.estimated_completion_at, Batch.estimate, Batch.paused_at, Batch.failure_limit,
 )  # fmt: skip
 
 # Built once, with bound parameters (status polls run them): building a statement and its
@@ -199,6 +201,7 @@ COUNTERS_CTES = """
     counters AS (
         UPDATE batches AS b
         SET completed = b.completed + s.completed, failed = b.failed + s.failed,
+            results_seq = b.results_seq + 1,
             input_tokens = b.input_tokens + s.prompt_tokens,
             cached_tokens = b.cached_tokens + s.cached_tokens,
             output_tokens = b.output_tokens + s.completion_tokens
@@ -211,6 +214,29 @@ def counts_current(session: Session, batch_ids: Iterable[str]) -> None:
     ``COUNTERS_CTES`` statement advanced them), so ``refresh_counts`` need not read their rows
     again."""
     session.info.setdefault(_COUNTS_CURRENT, set()).update(batch_ids)
+
+
+def min_prompt_tokens(session: Session, batch_id: str) -> int:
+    """The least prompt tokens an engine could have computed for the batch's answered lines:
+    their prompt tokens, with the shared prefix of each prefix group (``RequestLine.prefix_group``)
+    counted once, that prefix taken as the most tokens any line of the group found in the prefix
+    cache (whole KV blocks, so at most a block short of the text they share), and what every line
+    of the group found cached (a prefix shared with other groups: a chat template's start, a
+    system prompt) not at all."""
+    per_group = (
+        select(
+            func.sum(RequestLine.prompt_tokens).label("prompt"),
+            func.count().label("lines"),
+            func.max(RequestLine.cached_tokens).label("shared"),
+            func.min(RequestLine.cached_tokens).label("common"),
+        )
+        .where(RequestLine.batch_id == batch_id, RequestLine.status == LineStatus.SUCCEEDED)
+        .group_by(RequestLine.prefix_group)
+        .subquery()
+    )
+    saved = (per_group.c.lines - 1) * per_group.c.shared + per_group.c.common
+    total = session.scalar(select(func.coalesce(func.sum(per_group.c.prompt - saved), 0)))
+    return max(0, int(total or 0))
 
 
 def refresh_counts(session: Session, batch_ids: Iterable[str]) -> None:
@@ -333,3 +359,70 @@ def expired_ids(session: Session, at: int) -> list[str]:
             )
         )
     )
+
+
+#: The breaker's check on PostgreSQL (``offpeak.failure_limit.exceeded`` in SQL): the batches of
+#: ``%(ids)s`` still ``in_progress`` whose counters, as this transaction advanced them, trip
+#: their ``failure_limit`` go to ``cancelling`` with ``failure_limit_reached_at`` = ``%(at)s``
+#: (finalize then ends them ``failed``); their ids come back. A key lookup per batch.
+TRIP_FAILURE_LIMITS = """
+    UPDATE batches SET status = 'cancelling', cancelling_at = %(at)s,
+        failure_limit_reached_at = %(at)s
+    WHERE id = ANY(%(ids)s::varchar[]) AND status = 'in_progress' AND failure_limit IS NOT NULL
+        AND completed + failed >= (failure_limit->>'after_lines')::bigint
+        AND failed > (failure_limit->>'fraction')::float8 * (completed + failed)
+    RETURNING id"""
+
+
+def trip_failure_limits(session: Session, batch_ids: Iterable[str], at: int) -> list[str]:
+    """``TRIP_FAILURE_LIMITS`` one batch at a time (SQLite, one writer at a time: the counters
+    were just recounted by ``refresh_counts``); returns the ids of the batches it stopped."""
+    tripped = []
+    batches = session.scalars(
+        select(Batch).where(
+            Batch.id.in_(sorted(set(batch_ids))),
+            Batch.status == BatchStatus.IN_PROGRESS,
+            Batch.failure_limit.is_not(None),
+        )
+    )
+    for batch in batches:
+        if batch.failure_limit is None:  # stored before none_as_null: JSON null
+            continue
+        limit = FailureLimit.model_validate(batch.failure_limit)
+        if exceeded(batch.completed + batch.failed, batch.failed, limit):
+            batch.status = BatchStatus.CANCELLING
+            batch.cancelling_at = batch.failure_limit_reached_at = at
+            tripped.append(batch.id)
+    session.flush()
+    return tripped
+
+
+def line_counts(session: Session, batch_id: str) -> dict[str, int]:
+    """The batch's request rows by status."""
+    rows = session.execute(
+        select(RequestLine.status, func.count())
+        .where(RequestLine.batch_id == batch_id)
+        .group_by(RequestLine.status)
+    )
+    return {status: count for status, count in rows}
+
+
+#: The batches ``%(ids)s`` row-locked until the transaction ends, in id order (so two writers
+#: of the same batches cannot deadlock on them): a write that ends lines takes the batch's next
+#: ``results_seq`` under this lock, so the numbers commit in the order they are taken.
+LOCK_FOR_RESULTS = (
+    "SELECT id FROM batches WHERE id = ANY(%(ids)s::varchar[]) ORDER BY id FOR NO KEY UPDATE"
+)
+
+
+def next_results_seq(session: Session, batch_ids: Iterable[str]) -> None:
+    """Advance ``results_seq`` of ``batch_ids`` (after a write that ended lines of them with
+    its old value + 1; SQLite and finalize, whose batch is locked already)."""
+    ids = sorted(set(batch_ids))
+    if ids:
+        session.execute(
+            update(Batch)
+            .where(Batch.id.in_(ids))
+            .values(results_seq=Batch.results_seq + 1)
+            .execution_options(synchronize_session=False)
+        )

@@ -27,6 +27,7 @@ from sqlalchemy import (
     bindparam,
     case,
     cast,
+    delete,
     exists,
     func,
     literal,
@@ -36,9 +37,16 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from offpeak.billing import TokenWeights
-from offpeak.statuses import BatchStatus
+from offpeak.statuses import BatchStatus, LineStatus
 from storage.db import Executor
-from storage.models import Batch, EngineChunk, EngineChunkBatch, LedgerEntry
+from storage.models import (
+    Batch,
+    EngineChunk,
+    EngineChunkBatch,
+    LedgerAdapterUsage,
+    LedgerEntry,
+    RequestLine,
+)
 
 DAY_SECONDS = 86_400
 #: Histogram bounds of time-to-complete as a share of the completion window (1.0 = at the deadline).
@@ -187,6 +195,79 @@ class UsageRow:
     cost: Decimal
     price: Decimal
     realtime_price: Decimal
+    #: The LoRA adapter (grouped by adapter; ``None``: the base model's own lines).
+    adapter: str | None = None
+
+
+def adapter_tokens(session: Session, batch_id: str) -> list[tuple[str, int, int, int, int]]:
+    """``(adapter, requests, prompt, cached, completion tokens)`` of a batch's succeeded lines
+    per adapter they named (``""``: the base model), the adapter's usage that its bill splits."""
+    adapter = func.coalesce(RequestLine.adapter, "")
+    rows = session.execute(
+        select(
+            adapter,
+            func.count(),
+            func.coalesce(func.sum(RequestLine.prompt_tokens), 0),
+            func.coalesce(func.sum(RequestLine.cached_tokens), 0),
+            func.coalesce(func.sum(RequestLine.completion_tokens), 0),
+        )
+        .where(RequestLine.batch_id == batch_id, RequestLine.status == LineStatus.SUCCEEDED)
+        .group_by(adapter)
+        .order_by(adapter)
+    )
+    return [(str(a), int(n), int(p), int(c), int(o)) for a, n, p, c, o in rows]
+
+
+def insert_adapter_usage(session: Session, rows: list[dict[str, Any]]) -> None:
+    """Write a bill's split by adapter (``LedgerAdapterUsage`` rows), in the transaction that
+    inserted the bill; a split left by an earlier bill of the key (its entry since deleted) is
+    replaced."""
+    if rows:
+        keys = {row["key"] for row in rows}
+        session.execute(delete(LedgerAdapterUsage).where(LedgerAdapterUsage.key.in_(keys)))
+        session.execute(LedgerAdapterUsage.__table__.insert(), rows)
+
+
+def adapter_usage(session: Session, tenant_id: str, start: int, end: int) -> list[UsageRow]:
+    """The tenant's billed usage for batches that ended in ``[start, end)``, one row per model
+    and LoRA adapter (``adapter`` ``None``: the model's own lines)."""
+    u = LedgerAdapterUsage
+    query = (
+        select(
+            u.model,
+            u.adapter,
+            func.count(func.distinct(u.batch_id)),
+            func.sum(u.requests),
+            func.sum(u.input_tokens),
+            func.sum(u.cached_tokens),
+            func.sum(u.output_tokens),
+            func.sum(u.gpu_seconds),
+            func.sum(u.cost),
+            func.sum(u.price),
+            func.sum(u.realtime_price),
+        )
+        .where(u.tenant_id == tenant_id, u.ended_at >= start, u.ended_at < end)
+        .group_by(u.model, u.adapter)
+        .order_by(u.model, u.adapter)
+    )
+    return [
+        UsageRow(
+            model=model,
+            day=None,
+            batches=int(batches),
+            requests=int(requests),
+            input_tokens=int(input_tokens),
+            cached_tokens=int(cached),
+            output_tokens=int(output),
+            gpu_seconds=float(seconds),
+            cost=Decimal(cost),
+            price=Decimal(price),
+            realtime_price=Decimal(listed),
+            adapter=adapter or None,
+        )
+        for (model, adapter, batches, requests, input_tokens, cached, output, seconds, cost,
+             price, listed) in session.execute(query)
+    ]  # fmt: skip
 
 
 def usage(

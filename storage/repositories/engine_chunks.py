@@ -55,8 +55,9 @@ class EnginePeriod:
 #: lines used no engine time), and one ``engine_chunk_batches`` row per batch with succeeded
 #: lines, from ``batches.COUNTERS_CTES``' ``sums``. Only rows actually written count: a line
 #: another worker took over is billed (once) by that worker. The chunk's id is a scalar
-#: subquery, not a join: the write-back disables nested loops (``requests.NO_NESTED_LOOPS``),
-#: and the penalty a join then carries in the cost estimate turns on the JIT compiler.
+#: subquery, not a join: the write-back disables nested loops
+#: (``requests.RESULTS_PLANNER_SETTINGS``), and the penalty a join then carries in the cost
+#: estimate turns on the JIT compiler.
 #: Parameters: ``period_params``.
 CHUNK_CTES = """
     chunk AS (

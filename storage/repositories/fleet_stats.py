@@ -86,20 +86,32 @@ class EngineWindow:
 
 
 def engine_window(
-    session: Session, since: float, worker_id: str | None = None
+    session: Session, since: float, worker_id: str | None = None, tenant_id: str | None = None
 ) -> list[EngineWindow]:
     """Chunks that ended after ``since`` (unix seconds), summed per model, worker and device;
-    only ``worker_id``'s if given."""
+    only ``worker_id``'s if given. With ``tenant_id``: only that tenant's share of each chunk
+    (its batches' requests and tokens, ``engine_chunk_batches``, and the chunk's busy seconds
+    split by requests, as ``tenant_views.served_since`` splits them)."""
+    if tenant_id is None:
+        busy: Any = EngineChunk.busy_seconds
+        source: Any = EngineChunk
+    else:
+        busy = (
+            EngineChunk.busy_seconds
+            * EngineChunkBatch.requests
+            / func.nullif(EngineChunk.requests, 0)
+        )
+        source = EngineChunkBatch
     query = (
         select(
             EngineChunk.model,
             EngineChunk.worker_id,
             EngineChunk.device,
-            func.sum(EngineChunk.busy_seconds),
-            func.sum(EngineChunk.requests),
-            func.sum(EngineChunk.prompt_tokens),
-            func.sum(EngineChunk.cached_tokens),
-            func.sum(EngineChunk.completion_tokens),
+            func.coalesce(func.sum(busy), 0.0),
+            func.sum(source.requests),
+            func.sum(source.prompt_tokens),
+            func.sum(source.cached_tokens),
+            func.sum(source.completion_tokens),
         )
         .where(
             EngineChunk.started_at >= since - MAX_CHUNK_SECONDS,
@@ -109,6 +121,12 @@ def engine_window(
     )
     if worker_id is not None:
         query = query.where(EngineChunk.worker_id == worker_id)
+    if tenant_id is not None:
+        query = (
+            query.join(EngineChunkBatch, EngineChunkBatch.chunk_id == EngineChunk.id)
+            .join(Batch, Batch.id == EngineChunkBatch.batch_id)
+            .where(Batch.tenant_id == tenant_id)
+        )
     return [
         EngineWindow(
             model, worker, device, float(busy), int(n), int(prompt), int(cached), int(completion)
@@ -146,27 +164,6 @@ def throughput_series(
             .where(Batch.tenant_id == tenant_id)
         )
     return [(int(b), model, int(p), int(c)) for b, model, p, c in session.execute(query)]
-
-
-def tenant_tokens(session: Session, tenant_id: str, since: float) -> dict[str, tuple[int, int]]:
-    """Model → ``(prompt tokens, completion tokens)`` of ``tenant_id``'s batches in chunks that
-    ended after ``since``."""
-    rows = session.execute(
-        select(
-            EngineChunk.model,
-            func.sum(EngineChunkBatch.prompt_tokens),
-            func.sum(EngineChunkBatch.completion_tokens),
-        )
-        .join(EngineChunkBatch, EngineChunkBatch.chunk_id == EngineChunk.id)
-        .join(Batch, Batch.id == EngineChunkBatch.batch_id)
-        .where(
-            Batch.tenant_id == tenant_id,
-            EngineChunk.started_at >= since - MAX_CHUNK_SECONDS,
-            EngineChunk.ended_at > since,
-        )
-        .group_by(EngineChunk.model)
-    )
-    return {model: (int(p or 0), int(c or 0)) for model, p, c in rows}
 
 
 def scheduler_state(session: Session) -> dict[str, Any]:

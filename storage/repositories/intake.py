@@ -14,7 +14,21 @@ from storage.db import driver_connection, is_postgres
 from storage.models import RequestLine
 
 #: Columns written at intake, in COPY order.
-INTAKE_COLUMNS = ("batch_id", "line", "custom_id", "model", "deadline", "line_json")
+INTAKE_COLUMNS = (
+    "batch_id",
+    "line",
+    "custom_id",
+    "model",
+    "deadline",
+    "line_json",
+    "prefix_group",
+    "adapter",
+)
+#: A row in ``INTAKE_COLUMNS`` order; ``adapter`` (``None``: the line names the base model) may
+#: be left off.
+IntakeRow = (
+    tuple[str, int, str, str, int, str, int] | tuple[str, int, str, str, int, str, int, str | None]
+)
 #: Rows per ``executemany`` outside PostgreSQL.
 INSERT_CHUNK = 5000
 #: The other columns' values at intake.
@@ -27,7 +41,7 @@ _INTAKE_DEFAULTS = {
 }
 
 
-def bulk_insert(session: Session, rows: Iterable[tuple[str, int, str, str, int, str]]) -> int:
+def bulk_insert(session: Session, rows: Iterable[IntakeRow]) -> int:
     """Insert request rows (tuples in ``INTAKE_COLUMNS`` order); returns how many.
 
     PostgreSQL: one ``COPY`` that consumes ``rows`` as they come, so a generator that validates
@@ -46,11 +60,15 @@ def bulk_insert(session: Session, rows: Iterable[tuple[str, int, str, str, int, 
     return count
 
 
-def _intake_values(row: tuple[str, int, str, str, int, str]) -> dict[str, Any]:
-    return dict(zip(INTAKE_COLUMNS, row, strict=True)) | _INTAKE_DEFAULTS
+def _intake_values(row: IntakeRow) -> dict[str, Any]:
+    return dict(zip(INTAKE_COLUMNS, _full(row), strict=True)) | _INTAKE_DEFAULTS
 
 
-def _copy_rows(session: Session, rows: Iterable[tuple[str, int, str, str, int, str]]) -> int:
+def _full(row: IntakeRow) -> tuple[Any, ...]:
+    return row if len(row) == len(INTAKE_COLUMNS) else (*row, None)
+
+
+def _copy_rows(session: Session, rows: Iterable[IntakeRow]) -> int:
     connection = session.connection()
     lz4 = connection.execute(
         text(
@@ -65,6 +83,6 @@ def _copy_rows(session: Session, rows: Iterable[tuple[str, int, str, str, int, s
     count = 0
     with raw.cursor() as cursor, cursor.copy(f"COPY requests ({columns}) FROM STDIN") as copy:
         for row in rows:
-            copy.write_row(row + defaults)
+            copy.write_row(_full(row) + defaults)
             count += 1
     return count

@@ -17,12 +17,16 @@ from dataclasses import dataclass
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from offpeak import tenant_limits
 from offpeak.statuses import BatchStatus
 from storage.db import Executor, is_postgres
-from storage.models import Batch, File, Tenant
+from storage.models import Batch, EngineChunk, File, Tenant
+from storage.repositories import scheduler as scheduler_repo
 
 #: Statuses that count against ``max_batches_in_progress``.
 IN_PROGRESS = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING)
+#: Engine chunks of a model read for its last measured rate when the window holds too few.
+LAST_CHUNKS = 200
 
 
 def lock_tenant(session: Session, tenant_id: str) -> Tenant | None:
@@ -58,6 +62,29 @@ def enqueued_tokens(db: Executor, tenant_id: str, model: str) -> int:
         Batch.total > 0,
     )
     return int(db.execute(query).scalar_one())
+
+
+def engine_tokens_per_second(db: Executor, model: str, since: float) -> float | None:
+    """One engine's measured completion tokens per busy second of ``model``: over its engine
+    chunks that ended since ``since`` (unix seconds; the scheduler's throughput window), else
+    over its last ``LAST_CHUNKS`` chunks whenever they ran, so a quiet night does not forget
+    the engine's rate; ``None`` when neither holds ``tenant_limits.MEASURED_AFTER_TOKENS``."""
+    history = scheduler_repo.engine_history(db, model, since)  # type: ignore[arg-type]
+    rate = tenant_limits.measured_tokens_per_second(history.completion_tokens, history.busy_seconds)
+    if rate is not None:
+        return rate
+    last = (
+        select(EngineChunk.completion_tokens, EngineChunk.busy_seconds)
+        .where(EngineChunk.model == model)
+        .order_by(EngineChunk.started_at.desc())
+        .limit(LAST_CHUNKS)
+        .subquery()
+    )
+    tokens, busy = db.execute(
+        select(func.coalesce(func.sum(last.c.completion_tokens), 0),
+               func.coalesce(func.sum(last.c.busy_seconds), 0.0))
+    ).one()  # fmt: skip
+    return tenant_limits.measured_tokens_per_second(int(tokens), float(busy))
 
 
 def batches_in_progress(db: Executor, tenant_id: str) -> int:

@@ -22,6 +22,9 @@ from storage.db import driver_connection, is_postgres
 from storage.models import Batch, RequestLine
 from storage.repositories import batches as batches_repo
 
+#: The batches whose lines a claim may take: in progress and not paused.
+CLAIMABLE = (Batch.status == BatchStatus.IN_PROGRESS, Batch.paused_at.is_(None))
+
 
 @dataclass(frozen=True)
 class TokenCounts:
@@ -57,6 +60,8 @@ class ClaimedRequest:
     custom_id: str
     line_json: str
     attempts: int
+    #: ``RequestLine.prefix_group``: the claim's order; the runner keeps a group together.
+    prefix_group: int = 0
 
 
 def claim(
@@ -69,16 +74,19 @@ def claim(
     at: float,
     batch_ids: Collection[str] | None = None,
 ) -> list[ClaimedRequest]:
-    """Take up to ``limit`` runnable request rows of ``model``, earliest deadline first: pending
+    """Take up to ``limit`` runnable request rows of ``model``, earliest deadline first and, at
+    one deadline, prefix group by prefix group (``RequestLine.prefix_group``, so the engine gets a
+    group's lines while their shared prefix is cached), in file order within one: pending
     rows, and running rows whose lease ran out before ``at`` (their worker died). Rows of batches
     not ``in_progress``, or whose window ended at ``at``, are left alone (the sweep expires them).
     ``batch_ids``: only rows of these batches (the urgent ones while load is high). Skips rows
     another transaction holds. Returns them in id order.
 
-    Two range scans of ``ix_requests_claim`` (model, status, deadline, id) instead of one
-    ``pending OR (running AND lease lapsed)``, which cannot walk that index in deadline order;
-    and an integer bound on the bigint ``deadline`` (a float one casts every row). Rows with a
-    lapsed lease come first (few: what workers hold), then pending rows in deadline order.
+    Two range scans of ``ix_requests_claim`` (model, status, deadline, prefix_group, id)
+    instead of one ``pending OR (running AND lease lapsed)``, which cannot walk that index in
+    deadline order; and an integer bound on the bigint ``deadline`` (a float one casts every
+    row). Rows with a lapsed lease come first (few: what workers hold), then pending rows in
+    deadline order.
 
     On PostgreSQL the claim is one statement (``CLAIM_STATEMENTS``: both scans as the arms of a
     ``UNION ALL`` under one ``LIMIT``, so the pending scan locks only the rows the lapsed one left
@@ -89,7 +97,7 @@ def claim(
     after = math.floor(at)
     if is_postgres(session):
         return _claim_pg(session, _claim_params(model, limit, owner, lease_until, at, batch_ids))
-    running = set(session.scalars(select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS)))
+    running = set(session.scalars(select(Batch.id).where(*CLAIMABLE)))
     if batch_ids is not None:
         running &= set(batch_ids)
     if not running:
@@ -118,10 +126,11 @@ def _claim_arm(status: str, lapsed: bool, only: bool) -> str:
         "AND deadline > %(after)s "
         # An array of the running batches, not a join: joined, the planner sorted every pending
         # row of the model instead of walking the index.
-        "AND batch_id = ANY(ARRAY(SELECT id FROM batches WHERE status = 'in_progress')) "
+        "AND batch_id = ANY(ARRAY(SELECT id FROM batches WHERE status = 'in_progress' "
+        "AND paused_at IS NULL)) "
         + ("AND batch_id = ANY(%(only)s::varchar[]) " if only else "")
         + ("AND lease_expires_at < %(at)s " if lapsed else "")
-        + "ORDER BY deadline, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
+        + "ORDER BY deadline, prefix_group, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
     )
 
 
@@ -135,7 +144,7 @@ def _claim_statement(only: bool) -> str:
         f"SELECT id FROM ({_claim_arm(LineStatus.RUNNING, True, only)}) AS lapsed "
         f"UNION ALL SELECT id FROM ({_claim_arm(LineStatus.PENDING, False, only)}) AS pending "
         "LIMIT %(limit)s)) "
-        "RETURNING id, batch_id, custom_id, line_json, attempts"
+        "RETURNING id, batch_id, custom_id, line_json, attempts, prefix_group"
     )
 
 
@@ -223,7 +232,7 @@ def _take_statement(lapsed: bool) -> Any:
             RequestLine.deadline > bindparam("p_after"),
             RequestLine.batch_id.in_(bindparam("p_batch_ids", expanding=True)),
         )
-        .order_by(RequestLine.deadline, RequestLine.id)
+        .order_by(RequestLine.deadline, RequestLine.prefix_group, RequestLine.id)
         .limit(bindparam("p_limit"))
     )
     if lapsed:
@@ -250,18 +259,19 @@ def lease_statement(picked: Any, owner: Any, lease_until: Any) -> Any:
             RequestLine.custom_id,
             RequestLine.line_json,
             RequestLine.attempts,
+            RequestLine.prefix_group,
         )
         .execution_options(synchronize_session=False)
     )
 
 
 def has_pending(session: Session, model: str) -> bool:
-    """Whether ``model`` has a pending line in a batch that is ``in_progress`` (work a second
-    engine worker could start on)."""
+    """Whether ``model`` has a pending line in a batch that is ``in_progress`` and not paused
+    (work a second engine worker could start on)."""
     pending = select(RequestLine.id).where(
         RequestLine.model == model,
         RequestLine.status == LineStatus.PENDING,
-        RequestLine.batch_id.in_(select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS)),
+        RequestLine.batch_id.in_(select(Batch.id).where(*CLAIMABLE)),
     )
     return bool(session.scalar(select(pending.exists())))
 
@@ -273,8 +283,9 @@ def write_results(session: Session, owner: str, results: Sequence[FinishedLine])
 
     PostgreSQL: one statement whatever the number of rows (``RESULTS_CTES``): an ``UPDATE … FROM
     unnest(arrays)`` whose rows actually written advance the batches' counters in the same
-    statement; the planner's nested loops stay off for the rest of the caller's transaction
-    (``NO_NESTED_LOOPS``).
+    statement; the planner's nested loops and bitmap scans stay off for the rest of the caller's
+    transaction
+    (``RESULTS_PLANNER_SETTINGS``).
     Elsewhere: an ``executemany``; ``refresh_counts`` recounts.
     """
     if not results:
@@ -308,6 +319,7 @@ def write_results(session: Session, owner: str, results: Sequence[FinishedLine])
             finished_at=bindparam("finished_at"),
             lease_owner=None,
             lease_expires_at=None,
+            finished_seq=_finished_seq(),
         )
     )
     params = [
@@ -326,13 +338,22 @@ def write_results(session: Session, owner: str, results: Sequence[FinishedLine])
     ]
     if params:
         session.connection().execute(statement, params)
+        batches_repo.next_results_seq(session, {r.batch_id for r in results if r.id in held})
     return held
 
 
-#: The results' ``UPDATE`` (fenced on the lease: only rows ``%(owner)s`` still runs), the rows it
-#: moved in ``written``, then the batches' counters (``batches.COUNTERS_CTES``): the ``WITH``
-#: list of one statement, so the counters cost no round trip. Each column travels as one text
-#: parameter the server splits (``results_params``): psycopg dumps a list element by element in
+def _finished_seq() -> Any:
+    """``requests.finished_seq`` for the rows an ``UPDATE`` ends: their batch's next
+    ``results_seq``, which the caller advances (``batches.next_results_seq``) under the
+    batch's row lock."""
+    return select(Batch.results_seq + 1).where(Batch.id == RequestLine.batch_id).scalar_subquery()
+
+
+#: The results' ``UPDATE`` (fenced on the lease: only rows ``%(owner)s`` still runs; each takes
+#: its batch's next ``results_seq``, the batches locked first by ``batches.LOCK_FOR_RESULTS``),
+#: the rows it moved in ``written``, then the batches' counters (``batches.COUNTERS_CTES``): the
+#: ``WITH`` list of one statement, so the counters cost no round trip. Each column travels as one
+#: text parameter the server splits (``results_params``): psycopg dumps a list element by element in
 #: Python, several times the CPU a line of one joined string (``offpeak bench control``).
 RESULTS_CTES = f"""
     written AS (
@@ -340,25 +361,32 @@ RESULTS_CTES = f"""
         SET status = r.status, status_code = r.status_code, result = r.result,
             prompt_tokens = r.prompt_tokens, cached_tokens = r.cached_tokens,
             completion_tokens = r.completion_tokens, finished_at = r.finished_at,
-            lease_owner = NULL, lease_expires_at = NULL
+            lease_owner = NULL, lease_expires_at = NULL, finished_seq = b.results_seq + 1
         FROM unnest(
             %(ids)s::bigint[], %(statuses)s::varchar[], %(status_codes)s::integer[],
             string_to_array(%(results)s, E'\\x1e', E'\\x1f'), %(prompt_tokens)s::integer[],
             %(cached_tokens)s::integer[], %(completion_tokens)s::integer[],
             %(finished_at)s::double precision[]
         ) AS r(id, status, status_code, result, prompt_tokens, cached_tokens, completion_tokens,
-               finished_at)
-        WHERE q.id = r.id AND q.lease_owner = %(owner)s AND q.status = 'running'
+               finished_at), batches AS b
+        WHERE q.id = ANY(%(ids)s::bigint[]) AND q.id = r.id AND q.lease_owner = %(owner)s
+            AND q.status = 'running' AND b.id = q.batch_id
         RETURNING q.id, q.batch_id, q.status, q.prompt_tokens, q.cached_tokens,
             q.completion_tokens
     ),{batches_repo.COUNTERS_CTES}"""
 
-#: Never a nested loop for the results' join: the planner's statistics see few rows "running"
+#: The results' planner settings, until the transaction ends (the write-back's other statements
+#: look rows up by key and join nothing, so setting them back would only cost a round trip):
+#: never a nested loop for the results' join: the planner's statistics see few rows "running"
 #: for this owner (estimated 1), so it nests the unnest inside the requests scan and rescans the
-#: arrays once per row, which is many times slower than the hash join.
-#: ``SET LOCAL``: off until the transaction ends (the write-back's other statements look rows up
-#: by key and join nothing, so setting it back would only cost a round trip).
-NO_NESTED_LOOPS = "SET LOCAL enable_nestloop = off"
+#: arrays once per row, which is many times slower than the hash join. And no bitmap scans: the
+#: rows are found by ``id = ANY(ids)`` on the primary key, and a bitmap of the indexes on status
+#: (keyed on it, so every version of a row that ran keeps an entry there until vacuum) read the
+#: batch's every line that had run, on every write: a drain's time grew with its lines squared.
+RESULTS_PLANNER_SETTINGS = (
+    "SELECT set_config('enable_nestloop', 'off', true), "
+    "set_config('enable_bitmapscan', 'off', true)"
+)
 
 
 def results_params(owner: str, results: Sequence[FinishedLine]) -> dict[str, Any]:
@@ -410,7 +438,8 @@ def _write_results_unnest(
     # One round trip for the transaction's BEGIN, the setting and the statement (psycopg's
     # pipeline mode). Never a prepared statement: a generic plan cannot see the arrays' length.
     with raw.pipeline(), raw.cursor() as cursor:
-        raw.execute(NO_NESTED_LOOPS)
+        raw.execute(RESULTS_PLANNER_SETTINGS)
+        raw.execute(batches_repo.LOCK_FOR_RESULTS, {"ids": sorted({r.batch_id for r in results})})
         cursor.execute(
             f"WITH {RESULTS_CTES} SELECT id, batch_id FROM written",
             results_params(owner, results),
@@ -490,10 +519,17 @@ def end_unfinished(session: Session, batch_id: str, status: str, at: float) -> i
                     & (RequestLine.lease_expires_at < at),
                 ),
             )
-            .values(status=status, lease_owner=None, lease_expires_at=None, finished_at=at)
+            .values(
+                status=status,
+                lease_owner=None,
+                lease_expires_at=None,
+                finished_at=at,
+                finished_seq=_finished_seq(),
+            )
             .execution_options(synchronize_session=False)
         ),
     )
+    batches_repo.next_results_seq(session, [batch_id])
     return int(result.rowcount or 0)
 
 

@@ -153,7 +153,7 @@ class BatchBacklog:
 
     batch_id: str
     expires_at: float
-    completion_window: str
+    window_seconds: int
     total: int
     completed: int
     failed: int
@@ -171,7 +171,7 @@ def backlog(session: Session, model: str) -> list[BatchBacklog]:
         select(
             Batch.id,
             Batch.expires_at,
-            Batch.completion_window,
+            Batch.window_seconds,
             Batch.total,
             Batch.completed,
             Batch.failed,

@@ -21,10 +21,10 @@ from typing import Any
 from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session
 
-from offpeak.statuses import BatchStatus, LineStatus
+from offpeak.statuses import LineStatus
 from storage.db import driver_connection, is_postgres
 from storage.models import Batch, RequestLine, Tenant
-from storage.repositories.requests import ClaimedRequest, lease_statement
+from storage.repositories.requests import CLAIMABLE, ClaimedRequest, lease_statement
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,14 @@ PLANNER_SETTINGS = (
     "set_config('plan_cache_mode', 'force_custom_plan', true)"
 )
 
-#: The running batches' ids, once per statement (an InitPlan).
-_RUNNING = "ARRAY(SELECT id FROM batches WHERE status = 'in_progress')"
+#: The running batches' ids (not paused), once per statement (an InitPlan).
+_RUNNING = "ARRAY(SELECT id FROM batches WHERE status = 'in_progress' AND paused_at IS NULL)"
 
 #: The model's waiting batches with their tenants' weights (``WaitingBatch``'s fields).
 WAITING_BATCHES = (
     "SELECT b.id, b.tenant_id, t.weight, b.total - b.completed - b.failed, b.expires_at "
     "FROM batches AS b JOIN tenants AS t ON t.id = b.tenant_id "
-    "WHERE b.status = 'in_progress' AND b.model = %(model)s"
+    "WHERE b.status = 'in_progress' AND b.paused_at IS NULL AND b.model = %(model)s"
 )
 
 
@@ -92,7 +92,7 @@ def _per_batch(source: str, quota: str) -> str:
         f"SELECT q.id FROM {source} CROSS JOIN LATERAL ("
         "SELECT id FROM requests WHERE batch_id = s.batch_id AND status = 'pending' "
         "AND model = %(model)s AND deadline > %(after)s "
-        f"ORDER BY deadline, id LIMIT {quota} FOR UPDATE SKIP LOCKED) AS q"
+        f"ORDER BY deadline, prefix_group, id LIMIT {quota} FOR UPDATE SKIP LOCKED) AS q"
     )
 
 
@@ -105,7 +105,7 @@ def shared_claim_statement(urgent: bool, quotas: bool) -> str:
     arms = [
         "SELECT id FROM (SELECT id FROM requests WHERE model = %(model)s AND status = 'running' "
         f"AND deadline > %(after)s AND batch_id = ANY({_RUNNING}) AND lease_expires_at < %(at)s "
-        "ORDER BY deadline, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED) AS lapsed"
+        "ORDER BY deadline, prefix_group, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED) AS lapsed"
     ]
     if urgent:
         source = (
@@ -114,7 +114,8 @@ def shared_claim_statement(urgent: bool, quotas: bool) -> str:
         )
         arms.append(_per_batch(source, "%(limit)s"))
     newcomers = (
-        "(SELECT id AS batch_id FROM batches WHERE status = 'in_progress' AND model = %(model)s "
+        "(SELECT id AS batch_id FROM batches WHERE status = 'in_progress' AND paused_at IS NULL "
+        "AND model = %(model)s "
         "AND NOT (id = ANY(%(known)s::varchar[])) ORDER BY id LIMIT %(limit)s) AS s"
     )
     arms.append(_per_batch(newcomers, "%(fresh)s"))
@@ -129,14 +130,14 @@ def shared_claim_statement(urgent: bool, quotas: bool) -> str:
         "SELECT id FROM (SELECT id FROM requests WHERE model = %(model)s AND status = 'pending' "
         f"AND deadline > %(after)s AND batch_id = ANY({_RUNNING}) "
         "AND NOT (id = ANY(ARRAY(SELECT id FROM picked))) "
-        "ORDER BY deadline, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED) AS rest"
+        "ORDER BY deadline, prefix_group, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED) AS rest"
     )
     return (
         f"WITH picked AS ({picked}) "
         "UPDATE requests SET status = 'running', lease_owner = %(owner)s, "
         "lease_expires_at = %(lease_until)s, attempts = attempts + 1 "
         f"WHERE id = ANY(ARRAY(SELECT id FROM picked UNION ALL {rest} LIMIT %(limit)s)) "
-        "RETURNING id, batch_id, custom_id, line_json, attempts"
+        "RETURNING id, batch_id, custom_id, line_json, attempts, prefix_group"
     )
 
 
@@ -198,19 +199,19 @@ def waiting_batches(session: Session, model: str) -> list[WaitingBatch]:
             Batch.expires_at,
         )
         .join(Tenant, Tenant.id == Batch.tenant_id)
-        .where(Batch.status == BatchStatus.IN_PROGRESS, Batch.model == model)
+        .where(*CLAIMABLE, Batch.model == model)
     )
     return [WaitingBatch(*row) for row in rows]
 
 
-#: Earliest deadline first, then file order.
-EDF = (RequestLine.deadline, RequestLine.id)
+#: Earliest deadline first, then prefix group by prefix group, each in file order.
+EDF = (RequestLine.deadline, RequestLine.prefix_group, RequestLine.id)
 
 
 def _claim_elsewhere(session: Session, params: dict[str, Any]) -> list[ClaimedRequest]:
     """``claim_shared`` outside PostgreSQL (one writer at a time): the same arms, one leasing
     ``UPDATE`` each, so a later arm finds the rows an earlier one took already running."""
-    running = select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS)
+    running = select(Batch.id).where(*CLAIMABLE)
     live = (
         RequestLine.model == params["model"],
         RequestLine.deadline > params["after"],

@@ -31,7 +31,7 @@ class QueuedBatch:
     model: str
     left: int
     expires_at: int
-    completion_window: str
+    window_seconds: int
     estimated_completion_at: float | None
 
 
@@ -45,7 +45,7 @@ def queued_batches(db: Executor) -> list[QueuedBatch]:
             Batch.model,
             Batch.total - Batch.completed - Batch.failed,
             Batch.expires_at,
-            Batch.completion_window,
+            Batch.window_seconds,
             Batch.estimated_completion_at,
         )
         .join(Tenant, Tenant.id == Batch.tenant_id)

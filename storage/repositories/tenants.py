@@ -41,7 +41,13 @@ def tenant_for_key_hash(db: Executor, key_hash: str) -> Tenant | None:
     """The tenant owning an unrevoked key with this SHA-256 hex digest: a transient ``Tenant``
     (in no session) built from its columns, so a status poll's connection can look it up."""
     row = db.execute(
-        select(Tenant.id, Tenant.name, Tenant.created_at, Tenant.requests_per_minute)
+        select(
+            Tenant.id,
+            Tenant.name,
+            Tenant.created_at,
+            Tenant.requests_per_minute,
+            Tenant.batch_creates_per_minute,
+        )
         .join(ApiKey, ApiKey.tenant_id == Tenant.id)
         .where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None))
     ).first()
@@ -52,6 +58,7 @@ def tenant_for_key_hash(db: Executor, key_hash: str) -> Tenant | None:
         name=row.name,
         created_at=row.created_at,
         requests_per_minute=row.requests_per_minute,
+        batch_creates_per_minute=row.batch_creates_per_minute,
     )
 
 

@@ -278,6 +278,25 @@ def purge_events(session: Session, *, before: int) -> int:
     return int(result.rowcount or 0)  # type: ignore[attr-defined]
 
 
+def seal_clear_secrets(session: Session) -> int:
+    """Seal every webhook secret stored in plain text (stored before keys were set) with the
+    first key, leaving sealed ones as they are; returns how many endpoints were rewritten.
+    Raises ``storage.sealing.SealingError`` when no key is set."""
+    table = WebhookEndpoint.__table__
+    raw = [cast(table.c.secret, String), cast(table.c.previous_secret, String)]
+    count = 0
+    for endpoint_id, secret, previous in session.execute(select(table.c.id, *raw)).all():
+        values = {
+            column: sealing.reseal(value)
+            for column, value in (("secret", secret), ("previous_secret", previous))
+            if value is not None and not value.startswith(sealing.PREFIX)
+        }
+        if values:
+            session.execute(update(table).where(table.c.id == endpoint_id).values(values))
+            count += 1
+    return count
+
+
 def reseal_secrets(session: Session) -> int:
     """Re-encrypt every stored webhook secret with the first key (``storage.sealing.reseal``),
     plain-text ones included; returns how many endpoints were rewritten. Raises

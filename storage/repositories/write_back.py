@@ -1,6 +1,7 @@
 """The runner's write-back: one transaction that stores finished lines (fenced on their lease),
 advances their batches' counters, records the engine chunk they took, renews the leases of the
-lines the worker still holds, marks the worker alive and reads the statuses of its batches.
+lines the worker still holds, stops the batches whose breaker the results tripped
+(``offpeak.failure_limit``), marks the worker alive and reads the statuses of its batches.
 
 On PostgreSQL it is one round trip (psycopg's pipeline mode), the results, counters and chunk
 one statement (``requests.RESULTS_CTES``, ``engine_chunks.CHUNK_CTES``): the write-back paces
@@ -11,7 +12,7 @@ same steps run one statement at a time through the repositories' functions.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy.orm import Session
 
@@ -44,6 +45,8 @@ class Stored:
     written: set[int]
     held: set[int]
     statuses: dict[str, tuple[str, int]]
+    #: Batches whose breaker these results tripped (``batches.TRIP_FAILURE_LIMITS``).
+    tripped: list[str] = field(default_factory=list)
 
 
 def store(
@@ -72,11 +75,14 @@ def store(
     with (
         raw.pipeline(),
         raw.cursor() as written,
+        raw.cursor() as tripped,
         raw.cursor() as renewed,
         raw.cursor() as statuses,
     ):
-        raw.execute(requests_repo.NO_NESTED_LOOPS)
+        raw.execute(requests_repo.RESULTS_PLANNER_SETTINGS)
         if results:
+            ids = sorted({r.batch_id for r in results})
+            raw.execute(batches_repo.LOCK_FOR_RESULTS, {"ids": ids})
             written.execute(
                 f"WITH {requests_repo.RESULTS_CTES},{engine_chunks.CHUNK_CTES} "
                 "SELECT id, batch_id FROM written",
@@ -84,12 +90,19 @@ def store(
                 # A generic plan cannot see the arrays' length.
                 prepare=False,
             )
+            # After the counters moved, before the statuses are read: a batch it stops reads
+            # ``cancelling`` here, and the runner stops its lines at once.
+            tripped.execute(
+                batches_repo.TRIP_FAILURE_LIMITS,
+                {"ids": ids, "at": int(period.ended_at)},
+            )
         if held:
             renewed.execute(_RENEW, {"lease_until": lease_until, "held": held, "owner": owner})
         raw.execute(_HEARTBEAT, {"at": period.ended_at, "owner": owner})
         if batch_ids:
             statuses.execute(_STATUSES, {"ids": list(batch_ids)})
         rows = written.fetchall() if results else []
+        stopped = [batch_id for (batch_id,) in tripped.fetchall()] if results else []
         still_held = {row_id for (row_id,) in renewed.fetchall()} if held else set()
         states = (
             {b: (status, expires_at) for b, status, expires_at in statuses.fetchall()}
@@ -99,7 +112,7 @@ def store(
     batches_repo.counts_current(session, {batch_id for _, batch_id in rows})
     # Only batches of results another worker took over are left to recount (rarely any).
     batches_repo.refresh_counts(session, {r.batch_id for r in results})
-    return Stored({row_id for row_id, _ in rows}, still_held, states)
+    return Stored({row_id for row_id, _ in rows}, still_held, states, stopped)
 
 
 def _store_stepwise(
@@ -126,10 +139,14 @@ def _store_stepwise(
             busy_seconds=period.busy_seconds,
             per_batch=per_batch,
         )
+    stopped = []
     if results:
         batches_repo.refresh_counts(session, {r.batch_id for r in results})
+        stopped = batches_repo.trip_failure_limits(
+            session, {r.batch_id for r in results}, int(period.ended_at)
+        )
     held = set(held_ids)
     if requests_repo.renew_leases(session, owner, lease_until, held) < len(held):
         held -= set(scheduler_repo.not_held(session, owner, held))
     scheduler_repo.heartbeat(session, owner, period.ended_at)
-    return Stored(written, held, batches_repo.statuses(session, batch_ids))
+    return Stored(written, held, batches_repo.statuses(session, batch_ids), stopped)

@@ -93,7 +93,6 @@ class _SlowClose:
 
 def test_stop_engines_closes_them_at_once_and_kills_what_they_leave() -> None:
     from workers import shutdown
-    from workers.engine import registry
 
     spawn = multiprocessing.get_context("spawn")
     started = spawn.Queue()
@@ -102,15 +101,13 @@ def test_stop_engines_closes_them_at_once_and_kills_what_they_leave() -> None:
         core.start()
     runners = [psutil.Process(started.get(timeout=60)) for _ in cores]
     engines = {"a": _SlowClose(cores[0], 2), "b": _SlowClose(cores[1], 2)}
-    registry._engines.update(engines)
     began = time.monotonic()
     deadline = began + shutdown.KILL_RESERVE + 3
-    shutdown.stop_engines(deadline)
+    shutdown.stop_engines(engines, deadline)
     assert time.monotonic() < deadline + 1
     closes = [engine.closed_at - began for engine in engines.values()]
     assert max(closes) < 2 * 2, f"closed one after another: {closes}"
     assert alive(runners) == [], "a model runner outlived its engine's close"
-    assert registry.loaded() == {}
 
 
 # -- the default two-engine worker -----------------------------------------------------------

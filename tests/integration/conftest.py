@@ -16,6 +16,18 @@ from tests.support.processes import instant_stack_env, running
 from tests.support.servers import free_port
 
 
+@pytest.fixture(autouse=True)
+def sealing_keys_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's sealing keys as they were before each test: the app factory configures
+    them process-wide (``storage.sealing``), and an app built for another deployment (an
+    embedded SQLite one has a key file of its own) would otherwise seal the next test's
+    webhook secrets with a key its processes do not have."""
+    from storage import sealing
+
+    monkeypatch.setattr(sealing, "_sealer", sealing._sealer)
+    monkeypatch.setattr(sealing, "_from_environment", sealing._from_environment)
+
+
 @pytest.fixture(scope="session")
 def instant_env(base_env: dict[str, str], run_id: str) -> Iterator[dict[str, str]]:
     """The instant stack's environment: its own database and queue prefix, the default model's

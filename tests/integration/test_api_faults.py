@@ -454,7 +454,7 @@ def test_cancel_does_not_wait_for_a_transaction_inserting_the_batch_rows(
             assert row is not None
             line = LINE.decode().strip()
             intake_repo.bulk_insert(
-                inserting, [(batch.id, 1, "a", "SmolLM2-135M-Instruct", row.expires_at, line)]
+                inserting, [(batch.id, 1, "a", "SmolLM2-135M-Instruct", row.expires_at, line, 0)]
             )
             answers: list[Any] = []
             cancel = cancel_in_thread(sdk, batch.id, answers)

@@ -4,17 +4,20 @@ ratios read by people, not pass/fail thresholds), and the request generator is d
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import orjson
 import pytest
 from typer.testing import CliRunner
 
-from bench import e2e, harness, line_cost
+from bench import e2e, harness, large_file, line_cost
 from bench.generator import (
     ASSISTANT_SYSTEM_PROMPT,
+    DOCUMENT_WORDS,
     SYSTEM_PROMPT,
     chat_requests,
+    shared_prefix_requests,
     write_jsonl,
     write_padded_file,
 )
@@ -22,7 +25,8 @@ from bench.report import e2e_markdown
 from offpeak.cli import app
 from offpeak.settings import ModelConfig
 from tests.support.database import PG_ADMIN
-from workers.engine.vllm_engine import engine_kwargs
+from workers.engine.cpu_binding import BIND_VARIABLE, format_cpus
+from workers.engine.vllm_shared import engine_kwargs
 
 
 @pytest.fixture(autouse=True)
@@ -101,7 +105,9 @@ def test_e2e_compares_offpeak_with_the_fastest_raw_leg() -> None:
     assert verdict["best_raw"] == "raw_64"
     assert legs["offpeak"]["over_best_raw"] == pytest.approx(0.94)
     assert legs["offpeak"]["over_run_batch"] == pytest.approx(94 / 70)
-    assert verdict["met"] == {"offpeak_over_best_raw": False, "offpeak_over_run_batch": True}
+    assert verdict["met"] == {
+        "offpeak_over_best_raw": False, "offpeak_over_run_batch": True, "same_texts": False,
+    }  # fmt: skip
     assert verdict["same_text_as_best_raw"] == {
         "raw_32": 1, "raw_64": 2, "raw_256": 2, "run_batch": 2, "offpeak": 1,
     }  # fmt: skip
@@ -176,6 +182,30 @@ def test_control_command_runs(tmp_path: Path) -> None:
     assert set(report["met"]) == {"requests_per_s", "floor_ratio"}
 
 
+def test_large_file_command_runs(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["bench", "large-file", "--lines", "200", "--lines", "400", "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "large-file.json").read_text())
+    small, large = report["runs"]
+    assert (small["lines"], large["lines"]) == (200, 400)
+    # Every stage was timed, every process's peak sampled, and each ratio taken to the first.
+    for run in (small, large):
+        assert set(run["stage_s"]) == set(large_file.STAGES)
+        assert all(s >= 0 for s in run["stage_s"].values()) and run["total_s"] > 0
+        assert all(run["rss"][p]["peak_mb"] > 0 for p in large_file.PROCESSES)
+    (ratios,) = report["ratios"]
+    assert ratios["lines"] == 400 and set(ratios["rss_peak"]) == set(large_file.PROCESSES)
+    assert set(report["met"]) == {"rss_flat", "time_linear"}
+    # A file past the defaults gets the limits raised for it, never lowered below them.
+    assert large_file._limits(2_000_000, 512 * 10**6) == {
+        "OFFPEAK_MAX_FILE_BYTES": str(512 * 10**6 + 2**20),
+        "OFFPEAK_MAX_REQUESTS_PER_BATCH": "2000000",
+    }
+    assert large_file._limits(10, 100)["OFFPEAK_MAX_REQUESTS_PER_BATCH"] == "50000"
+
+
 def test_overhead_command_runs(tmp_path: Path) -> None:
     result = CliRunner().invoke(
         app,
@@ -201,3 +231,73 @@ def test_polls_command_runs(tmp_path: Path) -> None:
     (run,) = json.loads((tmp_path / "polls.json").read_text())["runs"]
     assert run["errors"] == {} and run["retrieve"]["count"] > 0
     assert run["list"]["count"] + run["download"]["count"] > 0
+
+
+def test_minimum_prompt_tokens_counts_each_distinct_prefix_once() -> None:
+    doc, other = list(range(100)), list(range(500, 560))
+    prompts = [[*doc, 1], [*other, 2], [*doc, 3, 4], [*doc, 1], [*other]]
+    # doc once (100) + its three tails (1, 2, 0 for the repeat) + other once (60) + its tail (1).
+    assert e2e.minimum_prompt_tokens(prompts) == 100 + 1 + 2 + 60 + 1
+    assert e2e.minimum_prompt_tokens([]) == 0
+    # In whole blocks of 32: the repeats of doc reuse 96 of its 100 tokens, the repeat of
+    # other 32 of 60 (its last token is always computed), the repeated prompt 96.
+    assert e2e.minimum_prompt_tokens_in_blocks(prompts, 32) == 101 + 61 + (102 - 96) + (
+        101 - 96
+    ) + (60 - 32)
+
+
+def test_shared_prefix_workload_is_seeded_shuffled_documents_times_questions() -> None:
+    lines = shared_prefix_requests(4, 3, model="m", max_tokens=16)
+    assert lines == shared_prefix_requests(4, 3, model="m", max_tokens=16)
+    assert len(lines) == 12 and len({line["custom_id"] for line in lines}) == 12
+    # Shuffled: not the documents in order.
+    assert [line["custom_id"] for line in lines] != sorted(line["custom_id"] for line in lines)
+    by_doc: dict[str, set[str]] = {}
+    for line in lines:
+        text = line["body"]["messages"][-1]["content"]
+        document, question = text.rsplit("\n\nQuestion: ", 1)
+        by_doc.setdefault(line["custom_id"][:7], set()).add(document)
+        assert line["body"]["temperature"] == 0 and 1 <= line["body"]["max_tokens"] <= 16
+        assert len(document.split()) >= DOCUMENT_WORDS
+    assert all(len(documents) == 1 for documents in by_doc.values()) and len(by_doc) == 4
+
+
+def test_every_leg_is_bound_to_the_same_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The raw and run_batch legs inherit the variable Offpeak's engine honours, set once."""
+    monkeypatch.delenv(BIND_VARIABLE, raising=False)
+    monkeypatch.setattr(e2e, "on_cpu", lambda: True)
+    binding = e2e._bind_every_leg()
+    assert os.environ[BIND_VARIABLE] == binding == format_cpus(sorted(os.sched_getaffinity(0)))
+    monkeypatch.setenv(BIND_VARIABLE, "0")
+    assert e2e._bind_every_leg() == "0"  # the operator's wins
+    leg = e2e._tokens(_leg("raw", 16, 1.0, {}))
+    assert leg["cpu_binding"] == "0" and leg["prompt_tokens_computed"] == 500
+
+
+def test_line_kinds_command_runs_every_leg_and_reports_the_ratios(tmp_path: Path) -> None:
+    """``bench line-kinds`` on the instant engine: every leg answers its lines through the
+    runner's path, the tool-call lines carry their tool into the prompt, the mixed batch joins
+    the engine grouped by adapter (its control does not), and each ratio is reported."""
+    result = CliRunner().invoke(
+        app,
+        ["bench", "line-kinds", "--engine", "instant", "--requests", "24", "--max-tokens", "4",
+         "--out", str(tmp_path)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "line-kinds.json").read_text())
+    legs = report["legs"]
+    assert set(legs) == {
+        "chat", "tool_call", "base_on_lora", "one_adapter", "mixed", "mixed_ungrouped",
+    }  # fmt: skip
+    assert all(leg["lines"] == 24 and leg["completion_tokens"] > 0 for leg in legs.values())
+    assert legs["tool_call"]["prompt_tokens"] > legs["chat"]["prompt_tokens"]
+    assert legs["one_adapter"]["adapter_runs"] == 1
+    assert legs["mixed"]["adapter_runs"] == report["adapters"] == 8
+    assert legs["mixed_ungrouped"]["adapter_runs"] == 24
+    assert set(report["ratios"]) == {
+        "tool_call_tokens_per_s", "tool_call_line_time", "adapter_tokens_per_s",
+        "adapter_line_time", "adapter_tokens_per_s_vs_base_on_lora",
+        "lora_engine_base_tokens_per_s", "mixed_time", "mixed_ungrouped_time",
+    }  # fmt: skip
+    assert all(value > 0 for value in report["ratios"].values())
+    assert set(report["met"]) == {"mixed_within_goal"}

@@ -39,9 +39,9 @@ def _batch(session: Any, batch_id: str, status: str) -> None:
     session.execute(
         text(
             "INSERT INTO batches (id, tenant_id, endpoint, input_file_id, completion_window, "
-            "status, created_at, expires_at, total, completed, failed, input_tokens, "
-            "cached_tokens, output_tokens) VALUES (:id, 'plan', '/v1/chat/completions', "
-            "'file-plan', '24h', :status, 0, 0, 0, 0, 0, 0, 0, 0)"
+            "window_seconds, status, created_at, expires_at, total, completed, failed, "
+            "input_tokens, cached_tokens, output_tokens) VALUES (:id, 'plan', "
+            "'/v1/chat/completions', 'file-plan', '24h', 86400, :status, 0, 0, 0, 0, 0, 0, 0, 0)"
         ),
         {"id": batch_id, "status": status},
     )

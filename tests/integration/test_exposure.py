@@ -32,7 +32,8 @@ ATTACK_BYTES = 64 * MIB
 #: The listener's bounds for this module's server (``api/server.py``), short to keep tests quick.
 HEADER_TIMEOUT = 2.0
 BODY_TIMEOUT = 2.0
-MAX_CONCURRENCY = 40
+#: Above the slow clients' connections below, so a normal client is served beside them.
+MAX_CONCURRENCY = 300
 LIMITS = {
     "OFFPEAK_API_HEADER_TIMEOUT_SECONDS": str(HEADER_TIMEOUT),
     "OFFPEAK_API_BODY_TIMEOUT_SECONDS": str(BODY_TIMEOUT),
@@ -291,6 +292,156 @@ def test_unfinished_headers_are_closed_at_their_deadline_while_others_are_served
     finally:
         for sock in socks:
             sock.close()
+
+
+FLOODS = 8
+FLOOD_BYTES = 32 * MIB
+SLOW_CLIENTS = 200
+
+
+class _RssPeak(threading.Thread):
+    """The API process's largest resident set (``/proc/PID/status`` VmRSS) while it runs."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.path = Path(f"/proc/{pid}/status")
+        self.peak = self.before = self._read()
+        self.stop = threading.Event()
+
+    def _read(self) -> int:
+        for line in self.path.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def run(self) -> None:
+        while not self.stop.wait(0.02):
+            self.peak = max(self.peak, self._read())
+
+
+class _HealthPoller(threading.Thread):
+    """A normal client asking ``/healthz`` on new connections while an attack runs."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.latencies: list[float] = []
+        self.statuses: set[int | str] = set()
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            start = time.monotonic()
+            try:
+                self.statuses.add(httpx.get(f"{self.url}/healthz", timeout=10).status_code)
+            except httpx.HTTPError as exc:
+                self.statuses.add(type(exc).__name__)
+            self.latencies.append(time.monotonic() - start)
+            self.stop.wait(0.05)
+
+
+def _flood(port: int) -> tuple[int, float, bool, bytes]:
+    """One header line that never ends, sent until ``FLOOD_BYTES`` or the server stops it:
+    the bytes sent, the seconds until the server closed, whether it did, what it answered."""
+    start = time.monotonic()
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Flood: ")
+        piece = b"a" * (64 * 1024)
+        try:
+            while sent < FLOOD_BYTES:
+                sock.sendall(piece)
+                sent += len(piece)
+        except OSError:
+            pass  # refused and closed mid-send
+        closed, answer = _closed_within(sock, HEADER_TIMEOUT + 10)
+    return sent, time.monotonic() - start, closed, answer
+
+
+class _Floods:
+    """``FLOODS`` attackers, each flooding on a new connection as soon as one is closed, for
+    ``seconds``; ``results`` holds every connection's ``_flood`` answer."""
+
+    def __init__(self, port: int, seconds: float) -> None:
+        self.port, self.until = port, time.monotonic() + seconds
+        self.results: list[tuple[int, float, bool, bytes]] = []
+        self.threads = [threading.Thread(target=self._attack, daemon=True) for _ in range(FLOODS)]
+
+    def _attack(self) -> None:
+        while time.monotonic() < self.until:
+            self.results.append(_flood(self.port))
+
+    def __enter__(self) -> _Floods:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for thread in self.threads:
+            thread.join(timeout=120)
+
+
+def test_never_ending_header_floods_are_refused_and_cost_no_memory(api: str) -> None:
+    rss = _RssPeak(_api_pid(api))
+    health = _HealthPoller(api)
+    rss.start()
+    health.start()
+    with _Floods(_port(api), seconds=3.0) as floods:
+        pass
+    health.stop.set()
+    rss.stop.set()
+    health.join(timeout=30)
+    rss.join(timeout=5)
+    assert len(floods.results) >= FLOODS
+    for sent, seconds, closed, answer in floods.results:
+        assert closed, f"a flood was still open after {sent / MIB:.0f} MiB"
+        # Stopped for its size, long before the header deadline would have.
+        assert seconds < HEADER_TIMEOUT, f"closed after {seconds:.1f} s, {sent / MIB:.0f} MiB"
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    grown = rss.peak - rss.before
+    assert grown < RSS_BOUND, f"the API grew by {grown / MIB:.0f} MiB under the floods"
+    assert health.statuses == {200}, health.statuses
+    assert len(health.latencies) >= 5
+    assert max(health.latencies) < 2.0, max(health.latencies)
+
+
+def test_slow_clients_are_cut_at_the_header_deadline_while_floods_run(api: str) -> None:
+    """Slowloris (connections that keep their headers open by sending a byte now and then)
+    beside the floods above: every slow one is cut at its deadline and a normal client is
+    served meanwhile."""
+    socks = []
+    for _ in range(SLOW_CLIENTS):
+        sock = socket.create_connection(("127.0.0.1", _port(api)), timeout=10)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        sock.setblocking(False)
+        socks.append(sock)
+    opened = time.monotonic()
+    health = _HealthPoller(api)
+    health.start()
+    open_ = set(range(SLOW_CLIENTS))
+    try:
+        with _Floods(_port(api), seconds=HEADER_TIMEOUT + 2):
+            while open_ and time.monotonic() - opened < HEADER_TIMEOUT + 20:
+                for i in list(open_):
+                    try:
+                        socks[i].send(b"a")
+                        if socks[i].recv(65536) == b"":
+                            open_.discard(i)
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        open_.discard(i)
+                time.sleep(0.5)
+            cut_after = time.monotonic() - opened
+    finally:
+        health.stop.set()
+        health.join(timeout=30)
+        for sock in socks:
+            sock.close()
+    assert not open_, f"{len(open_)} slow connections still open after {cut_after:.0f} s"
+    assert cut_after < HEADER_TIMEOUT + 3, cut_after
+    assert health.statuses == {200}, health.statuses
+    assert max(health.latencies) < 2.0, max(health.latencies)
 
 
 def test_a_stalled_body_is_closed_at_its_deadline(api: str, settings: Settings) -> None:

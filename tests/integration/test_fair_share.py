@@ -5,6 +5,8 @@ exactly once."""
 
 from __future__ import annotations
 
+import itertools
+import random
 import secrets
 from collections import Counter
 from collections.abc import Callable
@@ -163,3 +165,89 @@ def test_claims_on_sqlite_share_and_never_repeat_a_line(settings: Settings, tmp_
             seen += [r.id for r in rows]
     assert len(seen) == len(set(seen)) == 65
     get_engine(url).dispose()
+
+
+class RecordingIds(Recording):
+    """Records ``(batch id, custom_id)`` of every line each claim took, as well."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.lines: list[list[tuple[str, str]]] = []
+
+    def claim_shared(self, *args: Any, **kwargs: Any) -> Any:
+        claimed = super().claim_shared(*args, **kwargs)
+        self.lines.append([(r.batch_id, r.custom_id) for r in claimed.rows])
+        return claimed
+
+
+def grouped_batch(settings: Settings, documents: int, questions: int, window: str = "24h") -> str:
+    """A new tenant's batch of ``documents × questions`` lines, each a document then a question
+    (custom_id ``d<doc>-q<question>``), in a shuffled file order; document ``d`` is twice as
+    long as document ``d - 1``."""
+    name = f"fair-{secrets.token_hex(4)}"
+    pairs = [(d, q) for d in range(documents) for q in range(questions)]
+    random.Random(name).shuffle(pairs)
+    lines = [
+        line(
+            f"d{d}-q{q}",
+            model=MODEL,
+            body_messages=[{"role": "user", "content": f"{document(name, d)}\nQuestion {q}?"}],
+        )
+        for d, q in pairs
+    ]
+    return make_batch(settings, name, lines, window)
+
+
+def document(name: str, d: int) -> str:
+    return f"Document {name} {d}: " + "clause " * (8 << d)
+
+
+def test_grouped_work_of_two_tenants_is_shared_and_claimed_group_by_group(
+    settings: Settings,
+) -> None:
+    """Prefix groups order lines inside each batch's share, never across it: two tenants with
+    shuffled files of 6 documents × 10 questions each get equal shares while both wait, and
+    each batch's lines are claimed group by group (the claims that take one document's lines
+    touch those of the next at most, never interleave with them), the longest document first."""
+    first = grouped_batch(settings, 6, 10)
+    second = grouped_batch(settings, 6, 10)
+    store = RecordingIds(settings.resolved_database_url)
+    drain(settings, store, "w-grouped")
+    taken: Counter[str] = Counter()
+    for claim in store.claims:
+        if max(taken[first] + claim.count(first), taken[second] + claim.count(second)) > 50:
+            break
+        taken.update(claim)
+    assert taken[first] >= 20 and 0.8 <= taken[first] / taken[second] <= 1.25, store.claims
+    for batch_id in (first, second):
+        spans: dict[str, list[int]] = {}
+        for index, claim_lines in enumerate(store.lines):
+            for owner, custom_id in claim_lines:
+                if owner == batch_id:
+                    document = custom_id.split("-")[0]
+                    spans.setdefault(document, [index, index])[1] = index
+        intervals = sorted(spans.values())
+        assert len(intervals) == 6
+        for (_, end), (start, _) in itertools.pairwise(intervals):
+            assert start >= end, f"documents interleave across claims: {intervals}"
+        # Largest shared prefix first: a longer document is never claimed after a shorter one.
+        starts = [spans[f"d{d}"][0] for d in reversed(range(6))]
+        assert starts == sorted(starts), f"longest document first: {spans}"
+    ran_once(settings, first, second)
+
+
+def test_grouped_work_never_takes_a_batch_past_its_deadline(settings: Settings) -> None:
+    """Largest prefix first ranks groups only inside the fair share and the deadline: a batch
+    due in one hour whose documents are all shorter than a big batch's gets its share from the
+    first claim on (beside the big batch's longest document), and both run to the end."""
+    hourly = settings.model_copy(update={"allowed_completion_windows": ["24h", "1h"]})
+    big = grouped_batch(hourly, 6, 10)
+    soon = grouped_batch(hourly, 2, 5, window="1h")
+    store = RecordingIds(settings.resolved_database_url)
+    drain(settings, store, "w-deadline")
+    # Its share from the first claim on: the whole batch in the first two of five claims.
+    assert sum(claim.count(soon) for claim in store.claims[:2]) == 10, store.claims
+    # The big batch's part of the first claim is its longest document's lines.
+    taken = {custom_id.split("-")[0] for owner, custom_id in store.lines[0] if owner == big}
+    assert taken == {"d5"}, store.lines[0]
+    ran_once(settings, big, soon)

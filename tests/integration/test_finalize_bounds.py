@@ -77,18 +77,24 @@ def settings(module_settings: Settings, run_id: str) -> Iterator[Settings]:
 
 
 @pytest.fixture()
-def tasks(settings: Settings, base_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+def tasks(
+    settings: Settings, base_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Any]:
     """``workers.tasks``, imported with the test environment (its Celery app reads the settings
-    at import) and reading ``settings``."""
+    at import) and reading ``settings``; its drains run on an engine worker of the test's own
+    (no runner, and its settings, outlives the test)."""
     with pytest.MonkeyPatch.context() as env:
         for name, value in base_env.items():
             env.setenv(name, value)
         get_settings.cache_clear()
         import workers.tasks as module
     get_settings.cache_clear()
+    from workers import engine_worker
+
     monkeypatch.setattr(module, "get_settings", lambda: settings)
-    monkeypatch.setattr(module, "_runners", {})  # no runner (and its settings) outlives the test
-    return module
+    previous = engine_worker.install(engine_worker.EngineWorker(settings))
+    yield module
+    engine_worker.install(previous)
 
 
 @dataclass

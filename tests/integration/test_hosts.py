@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import httpx
 import psycopg
 import pytest
+from cryptography.fernet import Fernet
 from openai import OpenAI
 from sqlalchemy import select, text
 
@@ -27,7 +28,7 @@ from offpeak.settings import DEFAULT_MODEL
 from storage.db import session_scope
 from storage.models import LedgerEntry, RequestLine, WorkerRecord
 from tests.support.batches import chat_line, check_ran_batch, submit, wait_for_end
-from tests.support.database import new_key, settings_from
+from tests.support.database import LIMITS_OFF, new_key, settings_from
 from tests.support.hosts import Host, VirtualNetwork, virtual_network
 from tests.support.object_store import S3Server, s3_env, s3_server
 from tests.support.processes import wait_until
@@ -85,6 +86,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, run_id: str) -> Iterator[Fle
                 conn.execute(f"ALTER DATABASE offpeak SET {setting}")
         migrations.upgrade(url)
         env = {
+            "OFFPEAK_SECRET_KEYS": json.dumps([Fernet.generate_key().decode()]),
             "OFFPEAK_DATABASE_URL": url,
             "OFFPEAK_BROKER_URL": redis.url(0),
             **s3_env(store.endpoint, "blobs"),
@@ -95,6 +97,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, run_id: str) -> Iterator[Fle
             "OFFPEAK_LEASE_SECONDS": str(LEASE_SECONDS),
             "OFFPEAK_WORKER_ALIVE_SECONDS": "8",
             "OFFPEAK_CHUNK_SIZE": "100",
+            **LIMITS_OFF,
         }
         api, control = network.add_host("api"), network.add_host("control")
         engines = {name: network.add_host(name) for name in ("engine-a", "engine-b")}

@@ -228,7 +228,7 @@ def test_a_batch_runs_ends_and_bills_only_its_succeeded_requests(
         requests=[
             _request("ok-1", model),
             _request("stream", model, stream=True),
-            _request("tools", model, tools=[{"name": "t", "input_schema": {"type": "object"}}]),
+            _request("tools", model, tools=[{"type": "web_search_20250305", "name": "web_search"}]),
             _request("other", "claude-opus-9"),
             _request("ok-2", model, system="Be brief.", stop_sequences=["END"]),
         ]  # type: ignore[list-item]
@@ -247,7 +247,7 @@ def test_a_batch_runs_ends_and_bills_only_its_succeeded_requests(
     assert lines["ok-1"].type == "succeeded"
     assert lines["ok-1"].message.content[0].text == "OK"  # type: ignore[union-attr]
     assert lines["ok-1"].message.stop_reason == "end_turn"
-    for custom_id, param in (("stream", "stream"), ("tools", "tools")):
+    for custom_id, param in (("stream", "stream"), ("tools", "tools.0.type")):
         result = lines[custom_id]
         assert result.type == "errored" and result.error.error.type == "invalid_request_error"
         assert result.error.error.message.startswith(f"{param}: ")

@@ -99,7 +99,7 @@ def validated(settings: Settings, batch_id: str) -> tuple[str, list[dict[str, An
 
 def test_a_batch_past_the_enqueued_token_quota_fails_validation(model_settings: Settings) -> None:
     limit = BATCH_TOKENS + BATCH_TOKENS // 2
-    tenant_id, _name = new_tenant(model_settings, max_enqueued_tokens=limit)
+    tenant_id, name = new_tenant(model_settings, max_enqueued_tokens=limit)
     first = create(model_settings, tenant_id, upload(model_settings, tenant_id))
     assert validated(model_settings, first) == ("in_progress", None)
     with session_scope(model_settings.resolved_database_url) as session:
@@ -111,7 +111,8 @@ def test_a_batch_past_the_enqueued_token_quota_fails_validation(model_settings: 
     assert errors == [
         {
             "code": "token_limit_exceeded",
-            "message": f"Enqueued token limit reached for {MODEL} in organization {tenant_id}. "
+            # The tenant's name, as its users and operator know it, not its internal id.
+            "message": f"Enqueued token limit reached for {MODEL} in organization {name}. "
             f"Limit: {limit:,} enqueued tokens. Please try again once some in_progress batches "
             "have been completed.",
             "param": None,
@@ -236,10 +237,16 @@ def test_limits_show_a_tenant_its_use(http: TestClient, settings: Settings) -> N
     sdk.files.create(file=("a.jsonl", b"x" * 60), purpose="batch")
     limits = sdk.get("/limits", cast_to=object)
     assert limits == {
-        "enqueued_tokens": {"limit_per_model": None, "by_model": {}},
+        # The suite's limits are off (``LIMITS_OFF``): no model has a limit.
+        "enqueued_tokens": {
+            "limit_per_model": None,
+            "limit_by_model": dict.fromkeys(settings.models),
+            "by_model": {},
+        },
         "batches_in_progress": {"limit": 4, "used": 0},
         "stored_bytes": {"limit": 1000, "used": 60},
         "requests_per_minute": {"limit": None},
+        "batch_creates_per_minute": {"limit": None},
     }
 
 
@@ -304,7 +311,8 @@ def test_a_completed_batch_gives_its_tokens_back(
         batch = wait_for_end(instant_sdk, submit(instant_sdk, lines).id, instant_stack)
         assert batch.status == "completed" and batch.request_counts.completed == 4
         limits = instant_sdk.get("/limits", cast_to=object)
-        assert limits["enqueued_tokens"] == {"limit_per_model": tokens, "by_model": {}}  # type: ignore[index]
+        assert limits["enqueued_tokens"]["limit_per_model"] == tokens  # type: ignore[index]
+        assert limits["enqueued_tokens"]["by_model"] == {}  # type: ignore[index]
     more = [*lines, chat_line("c4", "Hello there", max_tokens=8)]
     over = wait_for_end(instant_sdk, submit(instant_sdk, more).id, instant_stack)
     assert over.status == "failed" and over.errors and over.errors.data

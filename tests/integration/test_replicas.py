@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 
 from api.app import create_app
-from offpeak.settings import CPU_MAX_NUM_SEQS, ModelConfig, Settings
+from offpeak.model_config import CPU_MAX_NUM_SEQS
+from offpeak.settings import ModelConfig, Settings
 from storage.db import session_scope
 from storage.models import Batch
 from tests.integration import test_scheduler as scheduler_tests

@@ -341,6 +341,73 @@ def test_chunk_runs_prompts_with_a_shared_prefix_together(
     end(settings, sdk, batch_id, [f"q{i}" for i in range(30)])
 
 
+def test_a_long_shared_prefix_is_prefilled_by_its_first_line_alone(
+    settings: Settings, model: str, tenant: tuple[str, OpenAI]
+) -> None:
+    """The runner holds a document's other questions until its first question has had its
+    prefill steps (two for a prompt of 2048-4096 tokens), then lets them all join, never after
+    it ended."""
+    name, sdk = tenant
+    joined: dict[str, int] = {}
+
+    class Recording(SimEngine):
+        def add(self, request):  # type: ignore[no-untyped-def]
+            text = bytes(request.prompt_token_ids).decode()
+            joined[text[text.index("Doc") :]] = self.steps
+            super().add(request)
+
+    engine = decoding_engine(model, max_num_seqs=64)
+    engine.__class__ = Recording
+    documents = [f"Document {d}: " + "the lease runs for five years. " * 70 for d in range(3)]
+    lines = [
+        chat(model, f"d{d}-q{q}", f"{documents[d]}\nQuestion {q}?", 20)
+        for q in range(4)
+        for d in range(3)
+    ]
+    batch_id = make_batch(settings, name, lines)
+    Runner(settings, engine, "w-leader").drain()
+    for document in documents:
+        steps = sorted(step for text, step in joined.items() if text.startswith(document))
+        assert steps == [steps[0], steps[0] + 2, steps[0] + 2, steps[0] + 2], joined
+    end(settings, sdk, batch_id, [f"d{d}-q{q}" for q in range(4) for d in range(3)])
+
+
+def test_the_batch_shows_what_the_prefix_cache_saved(
+    settings: Settings, model: str, tenant: tuple[str, OpenAI]
+) -> None:
+    """The batch's usage carries its prefix-cache hit rate and prompt tokens computed against
+    the least possible (each prefix group's shared prefix once), and ``offpeak status`` shows
+    them."""
+    from rich.console import Console
+
+    from offpeak.cli.client import print_summary
+
+    name, sdk = tenant
+    a = "You are a careful translator from French to English. " * 3
+    b = "You are a terse assistant who answers in one word only. " * 3
+    lines = [chat(model, f"q{i}", f"question {i}", 5, a if i % 2 else b) for i in range(30)]
+    batch_id = make_batch(settings, name, lines)
+    running = sdk.batches.retrieve(batch_id).usage
+    assert running is not None and running.model_extra is not None
+    assert running.model_extra["min_prompt_tokens"] is None  # known when the batch ends
+    Runner(settings, decoding_engine(model, max_num_seqs=64), "w-saved").drain()
+    batch = end(settings, sdk, batch_id, [f"q{i}" for i in range(30)])
+    usage = batch.usage
+    extra = usage.model_extra
+    cached = usage.input_tokens_details.cached_tokens
+    assert cached > 0
+    assert extra["prefix_cache_hit_rate"] == round(cached / usage.input_tokens, 4) > 0.5
+    assert extra["prompt_tokens_computed"] == usage.input_tokens - cached
+    # Two system prompts: each computed once at the least, each line's question on top.
+    least = extra["min_prompt_tokens"]
+    assert 0 < least <= extra["prompt_tokens_computed"] < usage.input_tokens
+    console = Console(record=True, width=200)
+    print_summary(batch, console)
+    shown = console.export_text()
+    assert f"{100 * extra['prefix_cache_hit_rate']:.0f}% of prompt tokens cached" in shown
+    assert f"{least:,})" in shown
+
+
 def test_batch_object_shows_slack_and_estimated_completion(
     settings: Settings, model: str, tenant: tuple[str, OpenAI]
 ) -> None:

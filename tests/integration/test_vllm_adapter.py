@@ -40,6 +40,15 @@ def test_structured_output_maps_to_vllm_sampling_params() -> None:
     assert to_sampling_params(SamplingSpec(8)).structured_outputs is None
 
 
+def test_logit_bias_maps_to_vllm_sampling_params() -> None:
+    pytest.importorskip("vllm")
+    from workers.engine.vllm_engine import to_sampling_params
+
+    params = to_sampling_params(SamplingSpec(8, logit_bias=((3, -100.0), (17, 2.5))))
+    assert params.logit_bias == {3: -100.0, 17: 2.5}
+    assert to_sampling_params(SamplingSpec(8)).logit_bias is None
+
+
 def test_vllms_refusal_of_a_schema_names_the_lines_schema_param() -> None:
     """vLLM compiles a schema when a request is added; its refusal (``VLLMValidationError``,
     raised from ``SamplingParams._validate_structured_outputs``) becomes a ``RequestRefused``

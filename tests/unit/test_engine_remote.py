@@ -11,6 +11,7 @@ from offpeak.billing import TokenWeights
 from offpeak.settings import DEFAULT_MODEL, ModelConfig
 from storage.repositories.engine_chunks import BatchTokens
 from tests.support.servers import free_port
+from workers.engine.base import EngineRequest, LoraSpec, SamplingSpec
 from workers.engine.remote import RemoteEngine, ServerUnavailable
 from workers.engine.remote_meter import ServerUsage
 from workers.runner.server_share import ServerShare
@@ -56,3 +57,17 @@ def test_share_carries_our_excess_and_commits_only_stored_periods() -> None:
     assert share.carry == 0
     # A server restart resets its counters: the new values count whole.
     assert ServerTokens(5, 0, 7).since(ServerTokens(500, 10, 700)) == ServerTokens(5, 0, 7)
+
+
+def test_a_line_of_an_adapter_names_the_adapter_as_the_servers_model() -> None:
+    """vLLM's server runs a LoRA adapter named as the request's ``model`` (its
+    ``--lora-modules`` names); the base model's lines name ``served_model_name``."""
+    config = remote_config(f"http://127.0.0.1:{free_port()}", served_model_name="served")
+    engine = RemoteEngine(MODEL, config, None, 2048)
+    try:
+        base = EngineRequest("1", [1, 2], SamplingSpec(max_tokens=4))
+        tuned = EngineRequest("2", [1, 2], SamplingSpec(max_tokens=4), lora=LoraSpec("t", "/t"))
+        assert engine._body(base)["model"] == "served"
+        assert engine._body(tuned)["model"] == "t"
+    finally:
+        engine.close()

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy.exc import OperationalError
 from typer.testing import CliRunner
 
-from bench.tenants import Params, RecordingStore, completion, simulate
+from bench.tenants import TARGET_JAIN, Params, RecordingStore, completion, simulate
 from offpeak.cli import app
 from offpeak.settings import Settings
 from storage.repositories.requests import ClaimedRequest
@@ -79,7 +79,9 @@ def test_bench_tenants_at_a_tiny_size(tmp_path) -> None:  # type: ignore[no-unty
     assert fair["lines"] == edf["lines"] == 605
     assert fair["deadline_misses"] == 0
     assert max(fair["small_seconds"]) < max(edf["small_seconds"])
-    assert fair["jain"] > edf["jain"]
+    # Both legs share the runner's queue, which puts the batches holding fewer lines first:
+    # among backlogged big tenants it evens the engine out under either claim.
+    assert fair["jain"] >= max(edf["jain"], TARGET_JAIN)
 
 
 def held_line(row_id: int, batch: str, priority: int = 0) -> HeldLine:
@@ -95,9 +97,26 @@ def test_a_starting_batch_queues_ahead_of_other_batches_but_behind_urgent_lines(
     held.queue([held_line(1, "urgent", priority=-1), held_line(2, "a"), held_line(3, "a")])
     held.queue([held_line(4, "a"), held_line(5, "b"), held_line(6, "b")])
     assert [h.row.id for h in held.queued] == [1, 5, 6, 2, 3, 4]
-    # Once held, a batch's next lines queue behind the others'.
-    held.queue([held_line(7, "b"), held_line(8, "a")])
-    assert [h.row.id for h in held.queued][-2:] == [7, 8]
+    # A batch holding fewer lines than another queues ahead of that one's queued lines; the
+    # one holding the most, at the back; an urgent line behind the urgent ones.
+    held.queue([held_line(7, "b"), held_line(8, "a"), held_line(9, "a", priority=-1)])
+    assert [h.row.id for h in held.queued] == [1, 9, 5, 6, 7, 2, 3, 4, 8]
+
+
+def test_a_small_batchs_next_claim_queues_ahead_of_a_big_batchs_queue() -> None:
+    """The small batch's first lines run (they went ahead, having none held); its next claim,
+    made while they run, still goes ahead of the big batch's queued lines, not behind them."""
+    held = HeldLines()
+    held.queue([held_line(i, "big") for i in range(100)])
+    for h in held.take_queued(lambda h: h.row.id < 50):
+        held.running[h.request_id] = h
+    held.queue([held_line(100, "small"), held_line(101, "small")])
+    assert [h.row.id for h in held.queued][:2] == [100, 101]
+    for h in held.take_queued(lambda h: h.row.batch_id == "small"):
+        held.running[h.request_id] = h
+    held.queue([held_line(102, "small"), held_line(103, "big"), held_line(104, "small")])
+    order = [h.row.id for h in held.queued]
+    assert order[:2] == [102, 104] and order[-1] == 103
 
 
 class ClaimTimes(RecordingStore):

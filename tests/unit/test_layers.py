@@ -74,3 +74,27 @@ def test_each_contract_breaks_on_a_forbidden_import(
         probe.unlink()
     assert result.returncode == 1, result.stdout + result.stderr
     assert "BROKEN" in result.stdout and f"{importer}._layer_probe -> {forbidden}" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("contract", "importer", "imported"),
+    [
+        # The two cycles the EngineWorker ended: each import back, put in again, breaks it.
+        ("engine-worker", "workers.tasks", "workers.celery_worker"),
+        ("engine-worker", "workers.shutdown", "workers.engine.registry"),
+        ("engine-worker", "workers.engine_worker", "workers.tasks"),
+        ("vllm-shared", "workers.engine.vllm_pooling", "workers.engine.vllm_engine"),
+    ],
+)
+def test_an_import_back_breaks_its_contract(
+    tree_copy: Path, contract: str, importer: str, imported: str
+) -> None:
+    module = tree_copy.joinpath(*importer.split(".")).with_suffix(".py")
+    source = module.read_text()
+    module.write_text(f"{source}\nimport {imported}  # noqa: E402\n")
+    try:
+        result = lint_imports(tree_copy, contract)
+    finally:
+        module.write_text(source)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "BROKEN" in result.stdout and f"{importer} -> {imported}" in result.stdout

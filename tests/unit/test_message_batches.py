@@ -30,8 +30,40 @@ def _error(params: dict[str, Any], engine: InstantEngine | None = None) -> LineE
     ("params", "param", "words"),
     [
         ({"stream": True}, "stream", "stream: not supported"),
-        ({"tools": [{"name": "t", "input_schema": {}}]}, "tools", "tools: not supported"),
-        ({"tool_choice": {"type": "auto"}}, "tool_choice", "tool_choice: not supported"),
+        (
+            {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+            "tools.0.type",
+            "tools.0.type: server tool 'web_search_20250305' is not supported",
+        ),
+        (
+            {"tools": [{"type": "bash_20250124", "name": "bash"}]},
+            "tools.0.type",
+            "server tool 'bash_20250124'",
+        ),
+        (
+            {"tools": [{"name": "t", "input_schema": {"type": "nonsense"}}]},
+            "tools.0.input_schema",
+            "tools.0.input_schema: Invalid schema for function 't'",
+        ),
+        ({"tools": [{"name": "t"}]}, "tools.0.input_schema", "Field required"),
+        ({"tool_choice": {"type": "any"}}, "tool_choice", "tool_choice: "),
+        (
+            {"tools": [{"name": "t", "input_schema": {}}], "tool_choice": {"type": "tool"}},
+            "tool_choice.name",
+            "tool_choice.name: Field required",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_use", "id": "t", "name": "t", "input": {}}],
+                    }
+                ]
+            },
+            "messages.0",
+            "tool_use blocks belong in assistant turns",
+        ),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking", "thinking:"),
         ({"temperature": 1.5}, "temperature", "less than or equal to 1"),
         ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),

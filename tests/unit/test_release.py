@@ -15,7 +15,7 @@ def test_reload_seconds_count_in_the_slack() -> None:
     policy = Settings().scheduler.model_copy(
         update={"urgent_margin_fraction": 0.0, "urgent_margin_seconds": 20.0}
     )
-    backlog = [BatchBacklog("b", 1060.0, "60s", 100, 0, 0, 0)]
+    backlog = [BatchBacklog("b", 1060.0, 60, 100, 0, 0, 0)]
     (loaded,) = estimate(backlog, 1000.0, 100.0, 10.0, policy)
     (released,) = estimate(backlog, 1000.0, 100.0, 10.0, policy, startup_seconds=45.0)
     assert loaded.slack_seconds == pytest.approx(50.0) and not loaded.urgent

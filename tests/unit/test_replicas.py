@@ -15,7 +15,7 @@ NO_MARGIN = SchedulerSettings(urgent_margin_fraction=0.0, urgent_margin_seconds=
 
 def backlog(*batches: tuple[str, float, int]) -> list[BatchBacklog]:
     """``(batch_id, expires_at, lines left)``, none finished yet."""
-    return [BatchBacklog(b, expires, "24h", lines, 0, 0, 0) for b, expires, lines in batches]
+    return [BatchBacklog(b, expires, 86_400, lines, 0, 0, 0) for b, expires, lines in batches]
 
 
 def test_replicas_cover_the_tightest_deadline_in_deadline_order() -> None:

@@ -64,7 +64,6 @@ def refused(url: str, body: dict[str, Any]) -> tuple[str | None, str | None, str
 # --- Responses bodies -------------------------------------------------------------------------
 
 UNSUPPORTED = [
-    ("tools", [{"type": "function", "name": "f"}]),
     ("previous_response_id", "resp_123"),
     ("conversation", "conv_123"),
     ("background", True),
@@ -90,7 +89,11 @@ BAD = [
     (resp(input=None), ("input", "missing_required_parameter")),
     (resp(input=5), ("input", "invalid_type")),
     (resp(input=[]), ("input", "invalid_value")),
-    (resp(input=[{"type": "function_call_output", "output": "x"}]), ("input[0].type", None)),
+    (
+        resp(input=[{"type": "function_call_output", "output": "x"}]),
+        ("input[0].call_id", "missing_required_parameter"),
+    ),
+    (resp(input=[{"type": "reasoning", "summary": []}]), ("input[0].type", None)),
     (resp(input=[{"type": "item_reference", "id": "msg_1"}]), ("input[0].type", None)),
     (resp(input=[{"role": "tool", "content": "x"}]), ("input[0].role", "invalid_value")),
     (resp(input=[{"role": "user"}]), ("input[0].content", "missing_required_parameter")),
@@ -109,8 +112,15 @@ BAD = [
     (resp(input="word " * 600), ("input", "context_length_exceeded")),
     (resp(temperature=3), ("temperature", "invalid_value")),
     (resp(top_p=0), ("top_p", "invalid_value")),
-    (resp(tool_choice="required"), ("tool_choice", "unsupported_value")),
-    (resp(tool_choice={"type": "function", "name": "f"}), ("tool_choice", "unsupported_value")),
+    (resp(tool_choice="required"), ("tool_choice", "invalid_value")),
+    (resp(tool_choice={"type": "function", "name": "f"}), ("tool_choice", "invalid_value")),
+    (resp(tool_choice={"type": "web_search_preview"}), ("tool_choice", "unsupported_value")),
+    (resp(tools=[{"type": "web_search"}]), ("tools[0].type", "unsupported_value")),
+    (resp(tools=[{"type": "file_search", "vector_store_ids": []}]), ("tools[0].type", None)),
+    (
+        resp(tools=[{"type": "function", "name": "f", "parameters": {"type": 5}}]),
+        ("tools[0].parameters", "invalid_json_schema"),
+    ),
     (resp(truncation="auto"), ("truncation", "unsupported_value")),
     (resp(metadata={"k": 1}), ("metadata", "invalid_value")),
     (resp(metadata={f"k{i}": "v" for i in range(17)}), ("metadata", "invalid_value")),

@@ -324,12 +324,48 @@ EXACT = [
     (
         CHAT,
         chat(tools=[{"type": "function"}]),
-        ("'tools' is not supported by this server.", "tools", "unsupported_parameter"),
+        (
+            "'tools[0].function' must be an object with a 'name'.",
+            "tools[0].function",
+            "missing_required_parameter",
+        ),
     ),
     (
         CHAT,
-        chat(logit_bias={"1": 2}),
-        ("'logit_bias' is not supported by this server.", "logit_bias", "unsupported_parameter"),
+        chat(logit_bias={"AI": 2}),
+        (
+            "Invalid key in 'logit_bias': AI. You should only be submitting non-negative integers.",
+            "logit_bias",
+            "invalid_value",
+        ),
+    ),
+    (
+        COMPLETIONS,
+        {"model": "m", "prompt": "x", "logit_bias": {"65": 101}},
+        (
+            "Invalid value for 'logit_bias' key 65: 101. You should only be submitting numbers "
+            "between -100 and 100.",
+            "logit_bias",
+            "invalid_value",
+        ),
+    ),
+    (
+        CHAT,
+        chat(logit_bias={"256": 1}),
+        (
+            "Invalid key in 'logit_bias': 256. The model's token ids are 0 to 255.",
+            "logit_bias",
+            "invalid_value",
+        ),
+    ),
+    (
+        CHAT,
+        chat(logit_bias=[1]),
+        (
+            "Invalid type for 'logit_bias': expected an object, but got an array instead.",
+            "logit_bias",
+            "invalid_type",
+        ),
     ),
     (
         CHAT,

@@ -11,7 +11,7 @@ from storage.repositories.tenant_views import QueuedBatch, Served
 
 def _batch(batch_id: str, tenant: str, left: int, weight: float = 1.0, model: str = "m",
            expires_at: int = 100_000, estimated: float | None = None) -> QueuedBatch:  # fmt: skip
-    return QueuedBatch(batch_id, tenant, weight, model, left, expires_at, "24h", estimated)
+    return QueuedBatch(batch_id, tenant, weight, model, left, expires_at, 86_400, estimated)
 
 
 def test_a_small_tenant_waits_for_its_share_of_a_big_one_not_for_all_of_it() -> None:
@@ -53,3 +53,11 @@ def test_shares_against_the_weights_of_the_tenants_competing() -> None:
     assert out["a"]["engine_share"] == pytest.approx(0.75)
     assert out["c"]["engine_share"] == 0.0 and out["c"]["entitled_share"] == pytest.approx(0.5)
     assert shares([], {"a": 1.0}, 3600)["a"]["engine_share"] is None
+
+
+def test_the_urgency_margin_is_a_fraction_of_the_batchs_own_window() -> None:
+    rule = SchedulerSettings()  # 10% of the window
+    hour = QueuedBatch("h", "t", 1.0, "m", 1, 100_000, 3600, 100_000 - 400.0)
+    day = QueuedBatch("d", "t", 1.0, "m", 1, 100_000, 86_400, 100_000 - 400.0)
+    assert not is_urgent(hour, rule)  # 400 s of slack > 360 s
+    assert is_urgent(day, rule)  # 400 s of slack < 8,640 s

@@ -28,6 +28,7 @@ def _batch(**changes: Any) -> Batch:
         model="m",
         input_file_id="file-in",
         completion_window="24h",
+        window_seconds=86_400,
         status="completed",
         output_file_id="file-out",
         error_file_id=None,

@@ -20,6 +20,7 @@ __all__ = [
     "EngineFault",
     "EngineRequest",
     "EngineResult",
+    "LoraSpec",
     "PoolingSpec",
     "RequestRefused",
     "SamplingSpec",
@@ -29,6 +30,15 @@ __all__ = [
     "TopLogprob",
     "UsageMeter",
 ]
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA adapter a request runs with: its served ``name`` and its PEFT folder ``path``
+    (local, already fetched)."""
+
+    name: str
+    path: str
 
 
 @dataclass
@@ -41,6 +51,8 @@ class EngineRequest:
     #: An embeddings line: pool each input instead of generating (an embedding engine only;
     #: ``prompt_token_ids`` is then the first input).
     pooling: PoolingSpec | None = None
+    #: The LoRA adapter to run with; ``None``: the base model.
+    lora: LoraSpec | None = None
 
 
 @dataclass
@@ -86,11 +98,19 @@ class EngineResult:
 
 class RequestRefused(ValueError):
     """``add``'s verdict on one request (the line fails alone, a 400), naming the body field at
-    fault (``param``) and OpenAI's ``code`` when the engine knows them; ``None`` otherwise."""
+    fault (``param``) and OpenAI's ``code`` when the engine knows them; ``None`` otherwise.
+    ``status_code`` 500: the line cannot run here for a reason of the server's (an adapter that
+    does not load), not the line's body."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        status_code: int = 400,
+    ) -> None:
         super().__init__(message)
-        self.param, self.code = param, code
+        self.param, self.code, self.status_code = param, code, status_code
 
 
 class EngineFault(RuntimeError):
@@ -153,6 +173,11 @@ class Engine(Protocol):
     max_model_len: int
 
     @property
+    def vocab_size(self) -> int | None:
+        """Token ids are ``0 .. vocab_size - 1``; ``None`` where only a remote server knows."""
+        ...
+
+    @property
     def capabilities(self) -> EngineCapabilities:
         """What it can do and hold (fixed once the engine is loaded)."""
         ...
@@ -163,7 +188,9 @@ class Engine(Protocol):
         our own, whose time is the seconds spent stepping it."""
         ...
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of ``messages`` rendered with the model's chat template, with the
         assistant's generation prompt appended. Raises ``ValueError`` for messages the template
         cannot render."""

@@ -12,6 +12,8 @@ import threading
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+from offpeak.endpoints.tools import hermes_messages
+
 
 def flatten_message(message: dict[str, Any]) -> dict[str, Any]:
     """``message`` with list content (OpenAI's ``[{"type": "text", "text": …}]`` parts) joined
@@ -41,21 +43,59 @@ class TemplateTokenizer:
 
     def __init__(self, tokenizer: Any, *, thread_safe: bool = False) -> None:
         self.tokenizer = tokenizer
+        #: Token ids are ``0 .. vocab_size - 1`` (added tokens included).
+        self.vocab_size: int = len(tokenizer)
         self._lock: AbstractContextManager[Any] = threading.Lock() if thread_safe else nullcontext()
         self._bos_id: int | None = tokenizer.bos_token_id
         probe = tokenizer.encode("a")
         self._adds_bos = self._bos_id is not None and bool(probe) and probe[0] == self._bos_id
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of ``messages`` rendered with the chat template. Raises ``ValueError`` for
-        messages the template cannot render (missing role or content, non-text parts, a
-        template error)."""
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of ``messages`` rendered with the chat template, offering ``tools``.
+        Raises ``ValueError`` for messages the template cannot render (missing role or content,
+        non-text parts, a template error).
+
+        A template that ignores tools (one that renders the same text with them as without
+        them, or drops the calls of assistant turns; SmolLM2's) gets them the Hermes way instead
+        (``hermes_messages``): a system block describing the tools, ``<tool_call>`` blocks in
+        assistant turns, which the ``hermes`` tool parser reads back. Without it such a model
+        would never hear of the tools. Rendering twice, rather than looking for the tools' names
+        in the text, is not fooled by a name the conversation happens to say."""
+        flat = [flatten_message(m) for m in messages]
+        rendered = self._render(flat, tools)
+        calls = any(m.get("tool_calls") for m in flat)
+        if (tools or calls) and self._ignores_tools(flat, tools, rendered, calls):
+            rendered = self._render(hermes_messages(flat, tools or []), None)
+        with self._lock:
+            ids = list(self.tokenizer.encode(rendered, add_special_tokens=False))
+        if self._adds_bos and self._bos_id is not None and (not ids or ids[0] != self._bos_id):
+            ids.insert(0, self._bos_id)
+        return ids
+
+    def _ignores_tools(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        rendered: str,
+        calls: bool,
+    ) -> bool:
+        """Whether the template's ``rendered`` text leaves out the offered ``tools`` or the
+        ``calls`` of assistant turns (each compared with a rendering without them)."""
+        without_tools = self._render(messages, None) if tools else rendered
+        if tools and without_tools == rendered:
+            return True
+        if not calls:
+            return False
+        stripped = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+        return self._render(stripped, None) == without_tools
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         try:
             with self._lock:
                 rendered = self.tokenizer.apply_chat_template(
-                    [flatten_message(m) for m in messages],
-                    tokenize=False,
-                    add_generation_prompt=True,
+                    messages, tools=tools or None, tokenize=False, add_generation_prompt=True
                 )
         except ValueError:
             raise
@@ -63,11 +103,7 @@ class TemplateTokenizer:
             raise ValueError(f"chat template cannot render these messages: {exc}") from exc
         if not isinstance(rendered, str):
             raise ValueError("chat template did not render to text")
-        with self._lock:
-            ids = list(self.tokenizer.encode(rendered, add_special_tokens=False))
-        if self._adds_bos and self._bos_id is not None and (not ids or ids[0] != self._bos_id):
-            ids.insert(0, self._bos_id)
-        return ids
+        return rendered
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of a plain completion prompt, with the tokenizer's BOS if it adds one."""

@@ -268,15 +268,22 @@ class FleetEngine:
             raise EngineFault("no replica in the fleet", blameless=True)
         return next(iter(self.replicas.values()))
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         if self._tokenizer is not None:
-            return self._tokenizer.encode_chat(messages)
-        return self._any().encode_chat(messages)
+            return self._tokenizer.encode_chat(messages, tools)
+        return self._any().encode_chat(messages, tools)
 
     def encode_text(self, text: str) -> list[int]:
         if self._tokenizer is not None:
             return self._tokenizer.encode_text(text)
         return self._any().encode_text(text)
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The local tokenizer's vocabulary; ``None`` without one (the servers check ids)."""
+        return self._tokenizer.vocab_size if self._tokenizer is not None else None
 
     def add(self, request: EngineRequest) -> None:
         """Queue ``request`` for the replica with room. Raises ``ValueError`` for an id already

@@ -27,11 +27,16 @@ class InstantEngine:
     def __init__(self, model_name: str, max_model_len: int = 2048) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
+        #: Its tokens are bytes.
+        self.vocab_size = 256
         self._queued: dict[str, EngineRequest] = {}
         self._answers: dict[tuple[int, bool, int], list[Completion]] = {}
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        offered = "".join(f"<tool>{t['function']['name']}\n" for t in tools or ())
+        text = offered + "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
         return list(text.encode())
 
     def encode_text(self, text: str) -> list[int]:

@@ -8,6 +8,7 @@ from functools import lru_cache
 
 from offpeak.settings import Settings
 from workers.engine.base import Engine
+from workers.shutdown import close_engines
 
 log = logging.getLogger(__name__)
 _engines: dict[str, Engine] = {}
@@ -58,6 +59,8 @@ def load(settings: Settings, name: str) -> Engine:
         release = bool(settings.scheduler.release_after_seconds)
         with _cpus(settings, name):
             engine = VllmEngine.load(name, config, path, sleep_mode=release)
+    # The endpoints read it to parse "auto" tool calls (``offpeak.endpoints.tools``).
+    engine.tool_parser = config.tool_parser  # type: ignore[union-attr]
     _load_seconds[name] = time.perf_counter() - started
     log.info("engine for %s ready in %.1f s", name, _load_seconds[name])
     _engines[name] = engine
@@ -106,12 +109,15 @@ def loaded() -> dict[str, Engine]:
     return dict(_engines)
 
 
+def take_all() -> dict[str, Engine]:
+    """Every loaded engine, forgotten here: the caller closes them (``workers.shutdown``)."""
+    engines = dict(_engines)
+    _engines.clear()
+    return engines
+
+
 def close_all(until: float | None = None) -> list[str]:
     """Close every loaded engine at once (``workers.shutdown.close_engines``), waiting for the
     closes until ``until`` (``time.monotonic()``; ``None``: until all return); the names whose
     close had not returned by then."""
-    from workers.shutdown import close_engines
-
-    engines = dict(_engines)
-    _engines.clear()
-    return close_engines(engines, until)
+    return close_engines(take_all(), until)

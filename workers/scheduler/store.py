@@ -7,6 +7,7 @@ in memory (``MemoryStore``), so the simulated day runs the same runner code as a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -23,6 +24,8 @@ from storage.repositories.engine_chunks import BatchTokens, EnginePeriod
 from storage.repositories.requests import ClaimedRequest, FinishedLine
 from storage.repositories.scheduler import BatchBacklog, EngineHistory
 from storage.repositories.shared_claims import SharedClaim, Shares, WaitingBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -185,6 +188,8 @@ class DbStore:
                 held_ids=write.held_ids,
                 batch_ids=write.batch_ids,
             )
+        for batch_id in stored.tripped:
+            log.warning("batch %s: its failure_limit was passed; stopping it", batch_id)
         return WriteBackReport(
             {b: (status, float(expires_at)) for b, (status, expires_at) in stored.statuses.items()},
             sorted(set(write.held_ids) - stored.held),

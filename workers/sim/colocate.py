@@ -103,6 +103,8 @@ class SimServer:
     ) -> None:
         self.model_name = MODEL
         self.max_model_len = max_model_len
+        #: Its tokens are bytes.
+        self.vocab_size = 256
         self.max_num_seqs = max_num_seqs
         self.capabilities = EngineCapabilities(max_num_seqs=max_num_seqs, block_size=16)
         self.server_meter = None

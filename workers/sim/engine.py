@@ -46,6 +46,8 @@ class SimEngine:
     ) -> None:
         self.model_name = MODEL
         self.max_model_len = max_model_len
+        #: Its tokens are bytes.
+        self.vocab_size = 256
         self.max_num_seqs = max_num_seqs
         self.capabilities = EngineCapabilities(
             prefix_caching=True,

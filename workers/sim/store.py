@@ -241,7 +241,13 @@ class MemoryStore:
         self._sweep(at)
         return [
             BatchBacklog(
-                b.id, b.expires_at, b.window, b.requests, b.completed, b.failed, b.output_tokens
+                b.id,
+                b.expires_at,
+                window_seconds(b.window),
+                b.requests,
+                b.completed,
+                b.failed,
+                b.output_tokens,
             )
             for b in self.batches.values()
             if b.status == BatchStatus.IN_PROGRESS

@@ -218,6 +218,21 @@ def test_a_4xx_answer_fails_that_line_alone(engine: RemoteEngine) -> None:
     assert "greedy" in str(results[greedy_n.request_id].refused)
 
 
+def test_logit_bias_reaches_the_server(engine: RemoteEngine) -> None:
+    """+100 on one token id makes the server sample only it; an id outside the vocabulary,
+    which a server-tokenized engine cannot check here (``vocab_size`` ``None``), is the
+    server's 400: that line fails alone."""
+    assert engine.vocab_size == 49152  # the local tokenizer's
+    token = engine.encode_text(" blue")[-1]
+    ids = chat(engine, "What is the capital of France?")
+    biased = request(ids, max_tokens=5, logit_bias=((token, 100.0),))
+    outside = request(ids, max_tokens=5, logit_bias=((10**6, 1.0),))
+    results = run(engine, [biased, outside])
+    assert results[biased.request_id].completions[0].token_ids == [token] * 5
+    refused = results[outside.request_id].refused
+    assert refused is not None and "logit_bias" in str(refused)
+
+
 def test_add_rejects_a_request_id_in_the_engine(engine: RemoteEngine) -> None:
     req = request(chat(engine, "Hi"), max_tokens=2)
     engine.add(req)

@@ -24,6 +24,7 @@ from offpeak.settings import ModelConfig
 from tests.support.engines import chat, one, request, run
 from tests.support.smollm2 import close_smollm2_engine
 from workers.engine.base import EngineRequest, SamplingSpec
+from workers.engine_io import LineError, prepare
 from workers.model_store import ModelUnavailableError, ensure_model
 
 pytestmark = pytest.mark.engine
@@ -154,6 +155,49 @@ def test_stop_string_ends_the_completion(engine) -> None:
     (stopped,) = one(engine, request(ids, max_tokens=48, stop=(stop,))).completions
     assert stopped.finish_reason == "stop"
     assert stopped.text == full.text[: full.text.index(stop)]
+
+
+def test_logit_bias_of_100_makes_the_completion_that_token(engine) -> None:
+    """A chat line's ``logit_bias`` reaches vLLM's sampler: +100 on one token id at
+    temperature 0 makes every token the completion samples that one."""
+    token = engine.encode_text(" blue")[-1]
+    body = {
+        "model": engine.model_name,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0,
+        "max_tokens": 6,
+        "logit_bias": {str(token): 100},
+    }
+    prepared = prepare("bias-up", "/v1/chat/completions", body, engine)
+    (completion,) = one(engine, prepared.request).completions
+    assert completion.token_ids == [token] * 6
+
+
+def test_logit_bias_of_minus_100_changes_the_answer(engine) -> None:
+    """-100 on the token the greedy answer starts with: the answer starts otherwise."""
+    body: dict[str, Any] = {
+        "model": engine.model_name,
+        "prompt": "The capital of France is",
+        "temperature": 0,
+        "max_tokens": 4,
+    }
+    base = one(engine, prepare("bias-0", "/v1/completions", body, engine).request)
+    first = base.completions[0].token_ids[0]
+    body["logit_bias"] = {str(first): -100}
+    biased = one(engine, prepare("bias-down", "/v1/completions", body, engine).request)
+    assert biased.completions[0].token_ids[0] != first
+    assert biased.completions[0].text != base.completions[0].text
+
+
+def test_logit_bias_ids_are_checked_against_the_models_vocabulary(engine) -> None:
+    """The vocabulary the endpoint checks is the one vLLM checks (SmolLM2: 49,152 tokens)."""
+    assert engine.vocab_size == engine._tokenizer.vocab_size == 49152
+    body = {"model": engine.model_name, "prompt": "Hi", "logit_bias": {"49152": 1}}
+    with pytest.raises(LineError) as info:
+        prepare("bias-bad", "/v1/completions", body, engine)
+    assert info.value.param == "logit_bias" and info.value.status_code == 400
+    body["logit_bias"] = {"49151": 1}
+    assert one(engine, prepare("bias-edge", "/v1/completions", body, engine).request).completions
 
 
 def test_logprobs_with_top_alternatives(engine) -> None:

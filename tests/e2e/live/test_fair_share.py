@@ -9,11 +9,12 @@ import time
 import pytest
 from openai import OpenAI
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import Settings
 from storage.db import session_scope
-from storage.models import RequestLine
+from storage.models import Batch, RequestLine
 from tests.support.batches import chat_line, check_ran_batch, submit, wait_for_end
 from tests.support.database import new_key
 
@@ -68,6 +69,40 @@ def test_a_small_batch_finishes_early_behind_a_big_one(
                 RequestLine.batch_id == big.id, RequestLine.finished_at <= small_end
             )
         )
+        timeline = when_the_small_batch_waited(session, big.id, small.id)
     fraction = big_before / BIG
     print(f"the big batch had run {fraction:.1%} of its lines when the small one finished")
-    assert fraction < 0.4
+    assert fraction < 0.4, f"{timeline}\n{live.tail('engine', 80)}\n{live.tail('control', 40)}"
+
+
+def when_the_small_batch_waited(session: Session, big_id: str, small_id: str) -> str:
+    """Where the small batch's time went, for a failure's message: its create, its start (the
+    end of validation) and its lines' ends, each with the big batch's lines finished by then."""
+
+    def big_done_by(at: float) -> int:
+        return int(
+            session.scalar(
+                select(func.count()).where(
+                    RequestLine.batch_id == big_id, RequestLine.finished_at <= at
+                )
+            )
+            or 0
+        )
+
+    small = session.get(Batch, small_id)
+    big = session.get(Batch, big_id)
+    assert small is not None and big is not None
+    ends = session.scalars(
+        select(RequestLine.finished_at)
+        .where(RequestLine.batch_id == small_id)
+        .order_by(RequestLine.finished_at)
+    ).all()
+    first = big.in_progress_at or big.created_at
+    moments = [("created", small.created_at), ("in progress", small.in_progress_at)]
+    moments += [(f"line {i + 1} finished", end) for i, end in enumerate(ends)]
+    return "\n".join(
+        f"small batch {name} at +{at - first:.1f} s, big batch lines finished by then: "
+        f"{big_done_by(at)}"
+        for name, at in moments
+        if at is not None
+    )

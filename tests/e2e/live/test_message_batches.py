@@ -66,7 +66,7 @@ def test_a_message_batch_runs_on_the_real_model(
         _request("stop", "Describe the weather.", temperature=0, stop_sequences=["e"]),
         _request("prefill", "What is 2+2?", temperature=0, top_k=1, system="Answer briefly."),
         _request("stream", "Hi", stream=True),
-        _request("tools", "Hi", tools=[{"name": "t", "input_schema": {"type": "object"}}]),
+        _request("tools", "Hi", tools=[{"type": "web_search_20250305", "name": "web_search"}]),
         _request("other-model", "Hi", model="claude-opus-9"),
     ]
     requests[3]["params"]["messages"].append({"role": "assistant", "content": "The answer is"})
@@ -91,7 +91,7 @@ def test_a_message_batch_runs_on_the_real_model(
     assert results["plain"].message.stop_reason in ("end_turn", "max_tokens")  # type: ignore[union-attr,operator]
     for custom_id, kind, start in (
         ("stream", "invalid_request_error", "stream: "),
-        ("tools", "invalid_request_error", "tools: "),
+        ("tools", "invalid_request_error", "tools.0.type: "),
         ("other-model", "not_found_error", "model: claude-opus-9"),
     ):
         result = results[custom_id]

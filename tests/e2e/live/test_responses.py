@@ -157,7 +157,10 @@ def test_a_responses_batch_end_to_end(live_sdk: OpenAI, live: Any, live_settings
     ]
     batch, output, errors = run_batch(live_sdk, live, RESPONSES, lines)
     assert sorted(errors) == ["previous", "tools"]
-    assert (errors["tools"]["param"], errors["tools"]["code"]) == ("tools", "unsupported_parameter")
+    assert (errors["tools"]["param"], errors["tools"]["code"]) == (
+        "tools[0].type",
+        "unsupported_value",
+    )
     assert errors["previous"]["param"] == "previous_response_id"
     responses = {
         cid: Response.model_validate(line["response"]["body"]) for cid, line in output.items()
