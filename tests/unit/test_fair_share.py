@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from bench.tenants import TARGET_JAIN, Params, RecordingStore, completion, simulate
 from offpeak.cli import app
 from offpeak.settings import Settings
+from offpeak.statuses import LineStatus
 from storage.repositories.requests import ClaimedRequest
 from storage.repositories.shared_claims import SharedClaim, WaitingBatch
 from workers.engine.base import EngineRequest, SamplingSpec
@@ -185,3 +186,43 @@ def test_a_failed_look_for_new_batches_loses_nothing_and_runs_nothing_twice() ->
     assert all(row.status == "succeeded" for row in store.rows.values())
     big_id, small_id = sorted(store.batches)
     assert store.first_claim[small_id] - store.batches[small_id].arrives_at <= 5.0
+
+
+class SkipsTheNewBatchOnce(ClaimTimes):
+    """``ClaimTimes`` whose first claim after the small batch arrives takes none of its lines
+    while the batch is among the waiting ones, as a claim does on PostgreSQL when another
+    transaction still holds those rows (``FOR UPDATE SKIP LOCKED``)."""
+
+    skipped = False
+
+    def claim(self, *args: Any, **kwargs: Any) -> list[ClaimedRequest]:
+        return self._skip(super().claim(*args, **kwargs))
+
+    def claim_shared(self, *args: Any, **kwargs: Any) -> SharedClaim:
+        claimed = super().claim_shared(*args, **kwargs)
+        return SharedClaim(self._skip(claimed.rows), claimed.waiting)
+
+    def _skip(self, rows: list[ClaimedRequest]) -> list[ClaimedRequest]:
+        small = {b.id for b in self.batches.values() if b.tenant == "small"}
+        if not small or self.skipped:
+            return rows
+        self.skipped = True
+        back = [row for row in rows if row.batch_id in small]
+        for row in reversed(back):
+            self.rows[row.id].status = LineStatus.PENDING
+            self.rows[row.id].attempts -= 1
+            self.batches[row.batch_id].pending.appendleft(row.id)
+            self.first_claim.pop(row.batch_id, None)
+        return [row for row in rows if row not in back]
+
+
+def test_a_batch_a_claim_saw_but_took_nothing_of_is_still_taken_within_one_claim_cycle() -> None:
+    big = [([1, i % 250 + 1, 7], 200 + (i * 37) % 800) for i in range(1500)]
+    small = [([2, i + 1, 7], 4) for i in range(5)]
+    arrivals = [Arrival(0.0, big, tenant="big"), Arrival(3.0, small, tenant="small")]
+    store, _ = simulate(Params(max_num_seqs=64), arrivals, SkipsTheNewBatchOnce)
+    assert store.skipped, "no claim came after the small batch arrived"
+    big_id, small_id = sorted(store.batches)
+    waited = store.first_claim[small_id] - store.batches[small_id].arrives_at
+    assert waited <= 2 * Settings().flush_seconds, waited
+    assert len(store.finished) == len(big) + len(small)

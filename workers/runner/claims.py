@@ -175,9 +175,10 @@ class ClaimPipeline:
 
     def _newcomers(self, at: float, slots: int, engine: Engine, urgent: set[str]) -> Claimed | None:
         """With the queue full no claim is due, possibly for minutes (long replies): once a
-        ``flush_seconds`` this looks for batches that started since the last claim and claims
-        their fresh share (``FairShare.fresh``). ``HeldLines.queue`` puts them ahead of the
-        queued lines, so a small batch waits for a free slot, not for the queue to drain."""
+        ``flush_seconds`` this looks for batches with lines left and none held
+        (``FairShare.newcomers``) and claims their fresh share (``FairShare.fresh``).
+        ``HeldLines.queue`` puts them ahead of the queued lines, so a small batch waits for a
+        free slot, not for the queue to drain."""
         if at < self.look_at or not slots or not self.fair.seen or self.scope() is not None:
             return None
         self.look_at = at + self.settings.flush_seconds

@@ -128,16 +128,14 @@ class FairShare:
         tenants = {b.tenant_id for b in waiting if b.left > 0}
         return max(1, limit // (len(tenants) + 1))
 
-    def newcomers(self, waiting: Sequence[WaitingBatch], held: Collection[str]) -> list[str]:
-        """Batches of ``waiting`` with lines left that no settled claim has seen and none of
-        whose lines are ``held``, by id."""
-        with self._lock:
-            known = set(self._tenant_of)
-        return sorted(
-            b.batch_id
-            for b in waiting
-            if b.left > 0 and b.batch_id not in known and b.batch_id not in held
-        )
+    @staticmethod
+    def newcomers(waiting: Sequence[WaitingBatch], held: Collection[str]) -> list[str]:
+        """Batches of ``waiting`` with lines left none of whose lines are ``held``, by id: those
+        that started since the last claim, and those a claim saw but took nothing of (their
+        lines were still locked by the transaction that wrote them, so ``SKIP LOCKED`` passed
+        them by). Seen or not, such a batch waits for the next claim, which a full queue may
+        not make for minutes."""
+        return sorted(b.batch_id for b in waiting if b.left > 0 and b.batch_id not in held)
 
     def settle(self, claim: SharedClaim) -> None:
         """Charge each line ``claim`` took to its tenant and keep the waiting batches it saw. A
