@@ -28,7 +28,7 @@ from workers.engine.release import (
 )
 from workers.planner import StepModel
 from workers.runner import Runner
-from workers.scheduler.hysteresis import Gate
+from workers.scheduler.gate import Gate
 from workers.scheduler.signals import LoadReading
 
 # The scheduler tests' fixtures: a model and a pool of the test's own, a Prometheus endpoint

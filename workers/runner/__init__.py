@@ -2,7 +2,7 @@
 
 - ``loop``: ``Runner``, the loop that ties the parts: engine steps, yields, write-backs,
   stops (start reading here);
-- ``gating``: the load signals read into the hysteresis gate;
+- ``load_gate``: the load signals read into the hysteresis gate;
 - ``urgency``: the batches' slack estimates and the urgent set;
 - ``claims``: the claim pipeline (how much to claim, claims on the claim thread through
   ``claim_ahead``, the chunk queued and the engine's slots sized);

@@ -1,6 +1,6 @@
 """The runner's loop: load, deadlines, claims, engine steps and write-backs for one model.
 
-Each turn it reads the load into the hysteresis gate (``workers.runner.gating``, every
+Each turn it reads the load into the hysteresis gate (``workers.runner.load_gate``, every
 ``load_poll_seconds``), refreshes the batches' slack and the urgent set
 (``workers.runner.urgency``, every ``estimate_seconds``), tops the engine up and steps it once.
 
@@ -48,10 +48,10 @@ from workers.planner import StepModel
 from workers.runner import results
 from workers.runner.claims import Claimed, ClaimPipeline
 from workers.runner.fleet_steering import FleetSteering, steering_for
-from workers.runner.gating import LoadGate
 from workers.runner.hand_back import give_back, hand_back_all
 from workers.runner.held import HeldLine, HeldLines
 from workers.runner.lane_steering import LaneSteering
+from workers.runner.load_gate import LoadGate
 from workers.runner.stats import DrainStats, TokenRate
 from workers.runner.urgency import Urgency
 from workers.runner.write_back import ResultWriter

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from prometheus_client import Counter, Gauge
 
-from workers.scheduler.hysteresis import Gate
+from workers.scheduler.gate import Gate
 from workers.scheduler.lane import LaneDecision
 from workers.scheduler.signals import LoadReading
 from workers.scheduler.slack import Estimate
