@@ -1,4 +1,4 @@
-"""The batch lane's controller (``workers.scheduler.lane``): windowed p95s from Prometheus bucket
+"""The batch lane's controller (``workers.lane.controller``): windowed p95s from Prometheus bucket
 deltas, the AIMD decisions on made-up server readings, and the runner following the limit on a
 real database with a stand-in engine (the tests are about admission, not the model)."""
 
@@ -10,8 +10,8 @@ from prometheus_client import Histogram as PromHistogram
 
 from offpeak.settings import LaneSettings
 from tests.support.fake_vllm import BOUNDS, FakeServer, hist
+from workers.lane.controller import LaneController, victims
 from workers.planner import StepModel
-from workers.scheduler.lane import LaneController, victims
 from workers.vllm_metrics import Histogram, ServerSnapshot, parse_snapshot
 
 

@@ -7,7 +7,7 @@ costs ``base + per_sequence × running`` (the seed's GPU-like 10 ms + 0.4 ms by 
 running sequence gains one token, real-time requests are scheduled first (vLLM's priority
 policy) and at most ``max_num_seqs`` run. The server keeps the Prometheus histograms a real one
 exposes (inter-token latency, TTFT, running, waiting), which the real controller
-(``workers.scheduler.lane``) reads. Prefill is not costed (the step model has no term for it), so
+(``workers.lane.controller``) reads. Prefill is not costed (the step model has no term for it), so
 TTFT here is queueing plus one step.
 
 Phases quiet → busy → quiet (real-time rate as a fraction of the server's real-time capacity at
@@ -29,9 +29,9 @@ import numpy as np
 
 from offpeak.settings import LaneSettings, ModelConfig, SchedulerSettings, Settings
 from workers.engine.base import Completion, EngineCapabilities, EngineRequest, EngineResult
+from workers.lane.controller import bound_tokens_per_s, realtime_capacity
 from workers.planner import StepModel, largest_batch
 from workers.scheduler.clock import VirtualClock
-from workers.scheduler.lane import bound_tokens_per_s, realtime_capacity
 from workers.sim.day import DAY_START
 from workers.sim.engine import MODEL
 from workers.sim.store import Arrival, MemoryStore

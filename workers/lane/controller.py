@@ -3,7 +3,7 @@
 When batch lines run *through* the real-time vLLM server (a remote engine), every running sequence
 shares the server's decode steps, so each batch line in flight slows every real-time user a
 little. The lane keeps the real-time users inside three targets, read every ``control_seconds``
-from the server's ``/metrics`` (``workers.scheduler.lane_scraper``):
+from the server's ``/metrics`` (``workers.lane.scraper``):
 
 - **TPOT p95**: the windowed inter-token latency. Every running sequence gets one token per step,
   so the server's inter-token latency is the real-time users' too.
