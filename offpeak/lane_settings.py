@@ -48,10 +48,10 @@ class LaneSettings(BaseModel):
         default=2.4,
         gt=1,
         description=(
-            "The seed's per-user floor as a slowdown: 40 tokens/s is a 25 ms step where one "
-            "user alone gets 10.4 ms (10 ms + 0.4 ms per sequence), 25 / 10.4 = 2.4. TTFT "
-            "gets the same ratio: a prefill runs inside a step every decoding sequence "
-            "shares."
+            "A per-user floor of 40 tokens/s as a slowdown (``docs/planning.md``): a 25 ms "
+            "step where one user alone gets 10.4 ms (10 ms + 0.4 ms per sequence), "
+            "25 / 10.4 = 2.4. TTFT gets the same ratio: a prefill runs inside a step every "
+            "decoding sequence shares."
         ),
     )
     ttft_ratio: float = Field(

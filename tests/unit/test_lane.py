@@ -192,7 +192,7 @@ def test_victims_newest_first_urgent_last() -> None:
 
 def test_simulated_colocation_lane_keeps_the_floor_the_naive_lane_breaks_it() -> None:
     """The runner and the lane on the virtual clock against the simulated shared server (the
-    seed's 10 ms + 0.4 ms step): with the lane, real-time TPOT p95 stays within 2.4x what it is
+    default 10 ms + 0.4 ms step): with the lane, real-time TPOT p95 stays within 2.4x what it is
     alone and batch work still runs; without it (max_num_seqs in flight) it does not."""
     from workers.sim.colocate import ColocateParams, run_leg
 

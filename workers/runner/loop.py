@@ -120,7 +120,7 @@ class Runner:
         self.gate = self.load.gate
         self.room = engine_room(engine, settings.models.get(self.model))
         self.slots = self.room.max_num_seqs
-        #: Fallback throughput before any is measured: the calibrated or the seed's step model.
+        #: Fallback throughput before any is measured: the calibrated or the default step model.
         self.step_model = step_model or calibrated(settings, self.model, device)
         self.held = HeldLines()
         #: Batches cancelled or expired while this runner held their lines, and what those lines
