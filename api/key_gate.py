@@ -1,4 +1,4 @@
-"""The key is checked from the headers before anything reads a body.
+"""The key gate: the API key is checked from the headers before anything reads a body.
 
 FastAPI reads and parses a route's body before it solves the route's dependencies, so a key
 checked by a dependency lets an anonymous client make the API buffer, spool or parse whatever
@@ -60,7 +60,7 @@ WRONG_ADMIN_KEY = "Incorrect admin API key provided."
 
 
 class Refused(Exception):
-    """An answer the gate gives instead of the route: ``status`` with ``message``."""
+    """An answer the key gate gives instead of the route: ``status`` with ``message``."""
 
     def __init__(
         self,
