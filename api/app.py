@@ -8,10 +8,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 import migrations
+from api.body_limits import BodyLimitMiddleware
 from api.deps import Reader
 from api.errors import install_error_handlers
-from api.gate import KeyGateMiddleware
-from api.limits import BodyLimitMiddleware
+from api.key_gate import KeyGateMiddleware
 from api.routes import (
     admin,
     admin_keys,

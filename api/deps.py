@@ -18,7 +18,7 @@ from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from api import gate
+from api import key_gate
 from api.errors import Unauthorized
 from offpeak.settings import Settings
 from storage.blobs import BlobStore, get_blob_store
@@ -128,16 +128,16 @@ BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(api_key_schem
 
 
 def _gated_tenant(request: Request) -> Tenant:
-    """The tenant ``api.gate.KeyGateMiddleware`` found for the request's key; 401 when the
-    request did not pass the gate (an app built without it fails closed)."""
+    """The tenant ``api.key_gate.KeyGateMiddleware`` found for the request's key; 401 when the
+    request did not pass the key gate (an app built without it fails closed)."""
     tenant: Tenant | None = getattr(request.state, "tenant", None)
     if tenant is None:
-        raise Unauthorized(gate.WRONG_KEY)
+        raise Unauthorized(key_gate.WRONG_KEY)
     return tenant
 
 
 async def get_tenant(request: Request, _credentials: BearerDep) -> Tenant:
-    """The tenant whose key is in ``Authorization: Bearer <key>`` (checked by the gate before
+    """The tenant whose key is in ``Authorization: Bearer <key>`` (checked by the key gate before
     the body was read; the parameter declares the security scheme). A copy that belongs to no
     session (read its columns)."""
     return _gated_tenant(request)
@@ -148,7 +148,7 @@ CurrentTenant = Annotated[Tenant, Depends(get_tenant)]
 
 async def get_tenant_or_operator(request: Request, _credentials: BearerDep) -> Tenant | None:
     """The calling tenant, or ``None`` for the operator: the admin key, on the paths that take
-    it beside a tenant's (``api.gate.OPERATOR_TOO``)."""
+    it beside a tenant's (``api.key_gate.OPERATOR_TOO``)."""
     if getattr(request.state, "admin", None) is True:
         return None
     return _gated_tenant(request)
@@ -172,7 +172,7 @@ async def get_anthropic_tenant(
     request: Request, _x_api_key: XApiKeyDep, _bearer: BearerDep
 ) -> Tenant:
     """The tenant whose key is in ``x-api-key`` (or, as the ``anthropic`` SDK sends an
-    ``auth_token``, ``Authorization: Bearer``), checked by the gate in Anthropic's wording."""
+    ``auth_token``, ``Authorization: Bearer``), checked by the key gate in Anthropic's wording."""
     return _gated_tenant(request)
 
 
@@ -181,7 +181,7 @@ AnthropicTenant = Annotated[Tenant, Depends(get_anthropic_tenant)]
 
 @dataclass(frozen=True)
 class Poll:
-    """What a read users poll needs, from one dependency: the calling tenant (the gate's), the
+    """What a read users poll needs, from one dependency: the calling tenant (the key gate's), the
     settings and the reader.
 
     One dependency where a poll route had four (reader, settings, tenant and, under them, the

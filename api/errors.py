@@ -171,7 +171,7 @@ _RETRY_LATER = {
 
 
 def _retry_later_response(path: str, status: int) -> dict[str, Any]:
-    """The OpenAPI response of a 503 (``database_unavailable``) or a 429 (``api.gate``'s
+    """The OpenAPI response of a 503 (``database_unavailable``) or a 429 (``api.key_gate``'s
     wrong-key throttle) on ``path``, in its surface's error shape, with ``Retry-After``."""
     schema, description = "ErrorResponse", _RETRY_LATER[status][0]
     if anthropic_messages.on_surface(path):
@@ -193,7 +193,7 @@ def _document_errors_as_sent(app: FastAPI) -> None:
     ``HTTPValidationError`` body): the handlers below answer a bad parameter with a 400 in
     OpenAI's shape, and a 422 only for a JSON body that does not parse, which the routes that
     take one declare themselves (``error_responses(..., 422)``). Declare the 503 every ``/v1``
-    route answers while the database is unavailable, and the gate's 429 (``api.gate``)."""
+    route answers while the database is unavailable, and the key gate's 429 (``api.key_gate``)."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:

@@ -33,7 +33,7 @@ _MARKERS = (b"\\u", b"\xed")
 class LoneSurrogateMiddleware:
     """400 in OpenAI's error shape (``param``: the path of the offending string) for a JSON body
     that holds a lone surrogate. Bodies FastAPI does not read as JSON pass untouched and
-    unbuffered (file uploads); JSON bodies are small (``api.limits.JSON_BODY_LIMIT``)."""
+    unbuffered (file uploads); JSON bodies are small (``api.body_limits.JSON_BODY_LIMIT``)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

@@ -96,7 +96,7 @@ class SharedStep:
     ``s = base + per_seq × (rate × reply × s + batch) + prefill × (rate × prompt × s + batch ×
     batch_prompt / batch_reply)`` (Little's law: a request holds a sequence for ``reply`` steps;
     a batch line is replaced every ``batch_reply`` steps). With ``prefill_s_per_token`` 0 it is
-    ``workers.scheduler.lane``'s decode-only model."""
+    ``workers.lane.controller``'s decode-only model."""
 
     base_s: float
     per_seq_s: float
@@ -288,7 +288,7 @@ def summarize(leg: Leg, phases: list[tuple[str, float, float]]) -> list[dict[str
 
 def _wait_idle(base: str, timeout: float = 120) -> None:
     """Until the server runs and queues nothing (the last leg's aborted requests have gone)."""
-    from workers.scheduler.lane_scraper import PrometheusServer
+    from workers.lane.scraper import PrometheusServer
 
     scraper = PrometheusServer(f"{base}/metrics", 1.0, 2.0, 10.0)
     deadline = time.monotonic() + timeout

@@ -1,4 +1,4 @@
-"""The batch lane's settings (``workers.scheduler.lane``, ``docs/sharing-a-gpu.md``): the
+"""The batch lane's settings (``workers.lane.controller``, ``docs/sharing-a-gpu.md``): the
 controller's defaults for every co-served model (``OFFPEAK_SCHEDULER__LANE__…``) and a model's
 own latency targets (``ModelConfig.lane``), as a team states its SLO: absolute p95s in
 milliseconds, or ratios to the real-time latency measured without batch work."""
@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 
 
 class LaneSettings(BaseModel):
-    """The batch lane's controller (``workers.scheduler.lane``, ``docs/sharing-a-gpu.md``): how
+    """The batch lane's controller (``workers.lane.controller``, ``docs/sharing-a-gpu.md``): how
     many batch requests are in flight at a real-time server the batch lines run through.
 
     Targets are real-time p95s. Unset, each is ``ratio × baseline``, the baseline being the
@@ -48,10 +48,10 @@ class LaneSettings(BaseModel):
         default=2.4,
         gt=1,
         description=(
-            "The seed's per-user floor as a slowdown: 40 tokens/s is a 25 ms step where one "
-            "user alone gets 10.4 ms (10 ms + 0.4 ms per sequence), 25 / 10.4 = 2.4. TTFT "
-            "gets the same ratio: a prefill runs inside a step every decoding sequence "
-            "shares."
+            "A per-user floor of 40 tokens/s as a slowdown (``docs/planning.md``): a 25 ms "
+            "step where one user alone gets 10.4 ms (10 ms + 0.4 ms per sequence), "
+            "25 / 10.4 = 2.4. TTFT gets the same ratio: a prefill runs inside a step every "
+            "decoding sequence shares."
         ),
     )
     ttft_ratio: float = Field(

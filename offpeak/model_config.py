@@ -249,7 +249,7 @@ class ModelConfig(BaseModel):
             "Engine ``remote`` only. Most batch requests at the server at once; the rest "
             "wait in the engine worker, never in the server's queue. ``None``: "
             "``max_num_seqs``. The batch lane's controller sets the live limit below it "
-            "(``workers.scheduler.lane``)."
+            "(``workers.lane.controller``)."
         ),
     )
     metrics_interval_seconds: float = Field(

@@ -450,10 +450,10 @@ class LoadSample(Base):
     paused: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
-class QueuedMessage(Base):
+class TaskMessage(Base):
     """A task message sent and not yet started, at most one per ``key`` (``finalize:<batch id>``,
     ``drain:<model>``, ``validate:<batch id>``), whatever the broker: a sender skips a message
-    that is already queued (``storage.repositories.queued_messages``).
+    that is already queued (``storage.repositories.task_messages``).
 
     The task deletes the row when it starts, if ``mark`` is still the one its message carries. A
     row whose ``resend_at`` has passed counts as lost (a broker restart, a worker that died before

@@ -1,10 +1,10 @@
 """Task messages, each sent at most once per key: the API and the workers queue validation,
 finalization and drains through here.
 
-A send first reserves the message's key in ``queued_messages`` (one database round trip for
-many keys), then sends the task by name on the shared Celery app (``offpeak.celery_app``); the task
-releases the key as it starts (``message_started``), so the next send queues another. Keys and
-waits are ``offpeak.celery_app``'s.
+A send first reserves the message's key (``storage.repositories.task_messages``: one database
+round trip for many keys), then sends the task by name on the shared Celery app
+(``offpeak.celery_app``); the task releases the key as it starts (``message_started``), so the
+next send queues another. Keys and waits are ``offpeak.celery_app``'s.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from offpeak.celery_app import (
 )
 from offpeak.settings import Settings
 from storage.db import session_scope
-from storage.repositories import queued_messages
+from storage.repositories import task_messages as task_messages_repo
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +46,16 @@ def _send_once(
     sooner: bool = False,
 ) -> int:
     """Send ``task`` for each ``key → args`` of ``messages`` that has no message queued yet (see
-    ``queued_messages.reserve``); the message carries the ``mark`` its task hands to
-    ``message_started``. Returns the number sent. Raises what the database or the broker raises;
-    keys reserved but not sent are released first, so nothing waits for a message never sent."""
+    ``storage.repositories.task_messages.reserve``); the message carries the ``mark`` its task
+    hands to ``message_started``. Returns the number sent. Raises what the database or the broker
+    raises; keys reserved but not sent are released first, so nothing waits for a message never
+    sent."""
     if not messages:
         return 0
     at = time.time()
     mark = secrets.token_hex(8)
     with session_scope(settings.resolved_database_url) as session:
-        keys = queued_messages.reserve(
+        keys = task_messages_repo.reserve(
             session,
             list(messages),
             mark=mark,
@@ -79,9 +80,9 @@ def _send_once(
 def _release(settings: Settings, keys: list[str], mark: str) -> None:
     try:
         with session_scope(settings.resolved_database_url) as session:
-            queued_messages.release(session, keys, mark)
+            task_messages_repo.release(session, keys, mark)
     except Exception:  # the records then count as lost after their wait: re-sent, not stuck
-        log.warning("could not release %d queued-message records", len(keys), exc_info=True)
+        log.warning("could not release %d task-message records", len(keys), exc_info=True)
 
 
 def message_started(settings: Settings, key: str, mark: str | None) -> None:
@@ -89,7 +90,7 @@ def message_started(settings: Settings, key: str, mark: str | None) -> None:
     more, so the next sender sends one. A message sent before marks existed carries ``None``."""
     if mark is not None:
         with session_scope(settings.resolved_database_url) as session:
-            queued_messages.release(session, [key], mark)
+            task_messages_repo.release(session, [key], mark)
 
 
 def send_validate(settings: Settings, batch_id: str) -> None:
@@ -135,7 +136,7 @@ def send_drain(settings: Settings, model: str, countdown: float | None = None) -
 
 
 def send_deliver_webhooks(settings: Settings) -> None:
-    """Queue a webhook delivery run (control queue) unless one is already queued: the outbox's
-    due deliveries are sent by it (``workers.webhook_delivery.deliver_due``)."""
+    """Queue a webhook delivery run (control queue) unless one is already queued: the webhook
+    outbox's due deliveries are sent by it (``workers.webhook_delivery.deliver_due``)."""
     messages: dict[str, list[str]] = {WEBHOOKS_KEY: []}
     _send_once(settings, WEBHOOKS_TASK, control_queue(settings), messages)

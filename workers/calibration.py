@@ -1,8 +1,8 @@
 """Measure a loaded engine's decode step time and fit the planner's ``StepModel`` to it.
 
-The seed's step model (``shared/seed/serving-models.txt``: 10 ms + 0.4 ms per sequence) has the
-right shape but invented numbers. ``calibrate`` times real decode steps at several batch sizes and
-fits ``base_ms + per_seq_ms × batch`` by least squares. Results are stored per model and device in
+The default step model (``docs/planning.md``: 10 ms + 0.4 ms per sequence) has the right shape but
+invented numbers. ``calibrate`` times real decode steps at several batch sizes and fits ``base_ms +
+per_seq_ms × batch`` by least squares. Results are stored per model and device in
 ``<model_cache_dir>/calibration.json`` under the key ``"<model>@<device>"``.
 """
 

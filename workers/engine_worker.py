@@ -1,4 +1,4 @@
-"""The engine worker's life in one object: boot, engines, runners, recovery, idle release, stop.
+"""The engine worker's life in one object: boot, engines, runners, recovery, release, stop.
 
 ``offpeak worker --role engine`` builds an ``EngineWorker``, makes it this process's
 (``install``) and ``boot``s it before Celery takes work; the drain task (``workers.tasks``) finds
@@ -33,8 +33,8 @@ from workers import lifecycle, shutdown
 from workers import worker_metrics as metrics
 from workers.engine import load_failure, registry, release
 from workers.engine.base import Engine, EngineFault
-from workers.engine.idle_release import IdleReleaser
 from workers.engine.load_failure import EngineLoadError
+from workers.engine.release_check import ReleaseCheck
 from workers.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -78,8 +78,8 @@ class EngineWorker:
         self.empty_drains: dict[str, int] = {}
         #: Monotonic times of this process's recent engine failures, per model.
         self.failures: dict[str, list[float]] = {}
-        #: The idle-release check, started by ``start_runners`` with a releasable engine.
-        self.idle: IdleReleaser | None = None
+        #: The release check, started by ``start_runners`` with a releasable engine.
+        self.release_check: ReleaseCheck | None = None
 
     # Boot ------------------------------------------------------------------------------------
 
@@ -119,8 +119,8 @@ class EngineWorker:
     def start_runners(self) -> None:
         """Load each served model's engine and build its runner, so the first drain starts at
         once: building a runner looks up the device, which imports torch (about a second)
-        where no engine has yet. With a releasable engine among them, start the idle-release
-        check (``workers.engine.idle_release``: an engine whose model has no batch running is
+        where no engine has yet. With a releasable engine among them, start the release
+        check (``workers.engine.release_check``: an engine whose model has no batch running is
         released too).
 
         Raises ``EngineLoadError`` naming the model whose engine did not start and the setting
@@ -134,11 +134,13 @@ class EngineWorker:
                 raise EngineLoadError(
                     model, load_failure.explain(settings, model, exc, started)
                 ) from exc
-        if self.idle is None and any(
+        if self.release_check is None and any(
             isinstance(r.engine, release.ReleasableEngine) for r in self.runners.values()
         ):
-            self.idle = IdleReleaser(settings, lambda: self.runners, settings.sweep_seconds)
-            self.idle.start()
+            self.release_check = ReleaseCheck(
+                settings, lambda: self.runners, settings.sweep_seconds
+            )
+            self.release_check.start()
 
     def runner_for(self, model: str) -> Runner:
         """This process's runner for ``model``, built (and its engine loaded) on first use."""
@@ -167,7 +169,9 @@ class EngineWorker:
             delay = baton_delay(self.empty_drains.get(model, 0), settings.sweep_seconds)
             task_messages.send_drain(settings, model, countdown=delay)
         try:
-            with self.idle.busy(model) if self.idle is not None else nullcontext():
+            with (
+                self.release_check.busy(model) if self.release_check is not None else nullcontext()
+            ):
                 runner = self.runner_for(model)
                 stats = runner.drain()
                 self.empty_drains[model] = (
@@ -245,12 +249,12 @@ class EngineWorker:
     # Stop ------------------------------------------------------------------------------------
 
     def stop(self, deadline: float | None) -> None:
-        """This worker's last act on its engines: stop the idle-release check, close every
+        """This worker's last act on its engines: stop the release check, close every
         loaded engine in parallel and end every process they started, all by ``deadline``
         (``time.monotonic()``; ``None``: the closes take what they take,
         ``workers.shutdown.stop_engines``). Safe to call twice; never raises."""
-        if self.idle is not None:
-            self.idle.stop()
+        if self.release_check is not None:
+            self.release_check.stop()
         shutdown.stop_engines(registry.take_all(), deadline)
 
     def shut_down(self) -> None:

@@ -1,9 +1,9 @@
 """Capacity planning: how many sequences fit in memory and which batch size to run.
 
-Pure functions over the cost models of the seed lesson (``shared/seed/serving-models.txt``,
-"Memory decides how big the batch can be" and "Throughput versus speed for each user"). The only
-I/O is reading a ``config.json`` or listing a model folder where a function says so. Memory is in
-bytes; the seed's GB are decimal (``80e9``), its KiB binary (1,024 bytes).
+Pure functions over the cost models of ``docs/planning.md`` (the step model, and the KV cache
+that memory holds per sequence). The only I/O is reading a ``config.json`` or listing a model
+folder where a function says so. Memory is in bytes; GB are decimal (``80e9``), KiB binary
+(1,024 bytes).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def read_config(path: Path) -> dict[str, Any]:
 def kv_bytes_per_token(config: dict[str, Any], dtype_size: int | None = None) -> int:
     """KV-cache bytes one token takes across all layers, from a Hugging Face ``config.json``.
 
-    ``2 (key and value) × layers × KV heads × head_dim × bytes per element``: the seed's
+    ``2 (key and value) × layers × KV heads × head_dim × bytes per element``:
     ``2 * 32 * 8 * 128 * 2`` = 131,072 bytes (128 KiB) for Llama 3 8B. ``head_dim`` is read when
     present, else ``hidden_size / num_attention_heads``; KV heads default to the attention heads
     (no grouped-query attention). The element size comes from ``torch_dtype`` (``dtype`` in newer
@@ -104,7 +104,7 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_size: int | None = None) ->
 
 
 def weights_bytes(parameters: float, dtype_size: int) -> int:
-    """Bytes the weights take: ``parameters × dtype_size`` (the seed: 8e9 × 2 = 16 GB)."""
+    """Bytes the weights take: ``parameters × dtype_size`` (Llama 3 8B, 16-bit: 8e9 × 2 = 16 GB)."""
     return int(parameters * dtype_size)
 
 
@@ -124,9 +124,9 @@ def sequences_that_fit(
 ) -> int:
     """Sequences whose KV cache fits beside the weights: ``⌊(device − weights) / (kv × tokens)⌋``.
 
-    The seed's formula ("Memory decides how big the batch can be"). Integer arithmetic, so the
-    floor is exact. Zero when the weights alone fill the device. Raises ``ValueError`` for a
-    non-positive ``kv_per_token`` or ``tokens_per_sequence``.
+    ``docs/planning.md`` ("Memory decides the batch"). Integer arithmetic, so the floor is exact.
+    Zero when the weights alone fill the device. Raises ``ValueError`` for a non-positive
+    ``kv_per_token`` or ``tokens_per_sequence``.
     """
     if kv_per_token <= 0 or tokens_per_sequence <= 0:
         raise ValueError("KV bytes per token and tokens per sequence must be positive")
@@ -159,8 +159,8 @@ def plan_memory(
     paged_avg_tokens: int = 2000,
 ) -> MemoryPlan:
     """Sequences that fit when each reserves ``reserved_tokens`` against paging that averages
-    ``paged_avg_tokens``. The seed's example (80e9 device, 16e9 weights, 131,072 B/token) gives 59
-    and 244. Raises ``ValueError`` as ``sequences_that_fit``."""
+    ``paged_avg_tokens``. Llama 3 8B on an 80 GB GPU (80e9 device, 16e9 weights, 131,072
+    B/token) gives 59 and 244. Raises ``ValueError`` as ``sequences_that_fit``."""
     return MemoryPlan(
         device_bytes=device_bytes,
         weights_bytes=weights,
@@ -179,8 +179,8 @@ def plan_memory(
 class StepModel:
     """One decode step's time as ``base_ms + per_seq_ms × batch``, in milliseconds.
 
-    Defaults are the seed's 10 ms + 0.4 ms per sequence ("A simulation you can run"), a model
-    with the right shape, not a measurement; ``workers.calibration`` fits real ones.
+    Defaults are 10 ms + 0.4 ms per sequence, a GPU-like example with the right shape, not a
+    measurement (``docs/planning.md``); ``workers.calibration`` fits real ones.
     """
 
     base_ms: float = 10.0
@@ -193,8 +193,8 @@ class StepModel:
     def step_seconds(self, batch: int) -> float:
         """Seconds of one decode step with ``batch`` sequences running.
 
-        Written as the seed writes it (``0.010 + 0.0004 * batch``) so the simulation reproduces
-        the seed's floating-point results exactly.
+        Written as ``0.010 + 0.0004 * batch`` (not ``step_ms / 1000``) so that
+        ``offpeak simulate policies`` gives ``docs/planning.md``'s table to the last digit.
         """
         return self.base_ms / 1000 + self.per_seq_ms / 1000 * batch
 
@@ -218,7 +218,7 @@ class BatchRow:
 def batch_table(model: StepModel, batch_sizes: list[int]) -> list[BatchRow]:
     """One row per batch size: step ms, tokens/s each user sees and total tokens/s.
 
-    The seed's worked example: batch 30 → 22 ms, 45 tokens/s each, 1,364 in total.
+    ``docs/planning.md``'s worked example: batch 30 → 22 ms, 45 tokens/s each, 1,364 in total.
     """
     return [
         BatchRow(b, model.step_ms(b), model.per_user_tokens_per_s(b), model.total_tokens_per_s(b))
@@ -240,7 +240,7 @@ def best_candidate(
 ) -> int | None:
     """The largest candidate batch that keeps every user at or above the floor, or ``None``.
 
-    The seed's worked example: candidates 10/20/30/40 at 40 tokens/s give 30.
+    ``docs/planning.md``'s worked example: candidates 10/20/30/40 at 40 tokens/s give 30.
     """
     fitting = [b for b in candidates if meets_floor(model, b, floor_tokens_per_s)]
     return max(fitting) if fitting else None
@@ -253,10 +253,9 @@ def largest_batch(
     ``memory_limit`` (sequences that fit in the KV cache).
 
     Closed form from ``1000 / (base + per_seq × b) ≥ floor``: ``b ≤ (1000 / floor − base) /
-    per_seq``, floored, then checked (and nudged by one) against ``meets_floor`` so rounding in
-    the division cannot be off by one. The seed's 10 + 0.4 ms at 40 tokens/s gives 37. Offline
-    work has no floor (``None``): the answer is ``memory_limit``. Returns 0 when even one
-    sequence misses the floor.
+    per_seq``, floored, then checked (and nudged by one) against ``meets_floor`` so rounding in the
+    division cannot be off by one. 10 + 0.4 ms at 40 tokens/s gives 37. Offline work has no floor
+    (``None``): the answer is ``memory_limit``. Returns 0 when even one sequence misses the floor.
 
     Raises ``ValueError`` when the batch is unbounded (no floor, or a zero per-sequence cost,
     without a memory limit) or the floor is not positive.
@@ -310,7 +309,7 @@ def choose_engine_limits(
       (vLLM refuses to start when one sequence of ``max_model_len`` cannot fit).
     - ``max_num_seqs``: sequences of the chunk's average need (each request's ``prompt +
       max_tokens``, capped at ``max_model_len``, in whole blocks) that fit in ``kv_budget_bytes``
-      when memory is paged (the seed's "allocate as tokens arrive"). Counting the whole
+      when memory is paged (handed out as tokens arrive, ``docs/planning.md``). Counting the whole
       ``max_tokens`` means no running sequence is preempted when replies run to their limit.
       At least 1, at most the chunk's request count (more slots would stay empty) and
       ``max_num_seqs_cap``.

@@ -14,7 +14,7 @@ from storage import task_messages
 from storage.blobs import StoreUnavailable, get_blob_store
 from storage.db import session_scope
 from storage.repositories import batches as batches_repo
-from storage.repositories import queued_messages
+from storage.repositories import task_messages as task_messages_repo
 from workers import billing, engine_worker, retention, webhook_delivery
 from workers import worker_metrics as metrics
 from workers.estimate import estimate_batch
@@ -99,7 +99,7 @@ def sweep() -> None:
         finalizing += batches_repo.finished_but_running(session)
         validating = batches_repo.ids_in_status(session, BatchStatus.VALIDATING)
         models = batches_repo.active_models(session)
-        queued_messages.purge(session, before=at - 4 * celery_app.MAX_WAIT_SECONDS)
+        task_messages_repo.purge(session, before=at - 4 * celery_app.MAX_WAIT_SECONDS)
     # Each is skipped while a message for it is queued, and re-sent once that one is lost.
     task_messages.send_finalizes(settings, sorted({*expired, *cancelling, *finalizing}))
     task_messages.send_validates(settings, validating)

@@ -1,7 +1,7 @@
 """Reading a vLLM server's Prometheus ``/metrics``: gauges, token counters and latency histograms.
 
 The one place that knows vLLM's metric names and how to read them. The load signal
-(``workers.scheduler.signals``), the batch lane (``workers.scheduler.lane``) and the remote
+(``workers.scheduler.signals``), the batch lane (``workers.lane.controller``) and the remote
 engine's server meter (``workers.engine.remote_meter``) all read through it. Parsing is
 ``prometheus_client``'s; a name exposed with several label sets (several engines or models behind
 one endpoint) is summed, since they all share the server's time.

@@ -12,7 +12,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from api import gate
+from api import key_gate
 from api.deps import SessionDep, SettingsDep
 from api.errors import Unauthorized, error_responses
 from api.schemas.adapters import AdapterDeleted, AdapterList, AdapterView, AddAdapter
@@ -43,10 +43,10 @@ def require_admin(
     request: Request,
     _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(admin_key_scheme)],
 ) -> None:
-    """``Authorization: Bearer <OFFPEAK_ADMIN_API_KEY>``, checked by ``api.gate`` before the
-    body is read (always 401 while the key is unset); 401 for a request that missed the gate."""
+    """``Authorization: Bearer <OFFPEAK_ADMIN_API_KEY>``, checked by ``api.key_gate`` before the
+    body is read (always 401 while the key is unset); 401 for a request that missed the key gate."""
     if getattr(request.state, "admin", None) is not True:
-        raise Unauthorized(gate.WRONG_ADMIN_KEY)
+        raise Unauthorized(key_gate.WRONG_ADMIN_KEY)
 
 
 AdminDep = Depends(require_admin)

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.datastructures import Headers
 
-from api import gate
+from api import key_gate
 from api.deps import SettingsDep
 from api.errors import RETRY_AFTER_SECONDS
 from api.schemas.common import ErrorResponse
@@ -29,9 +29,9 @@ router = APIRouter(tags=["health"])
 
 def _viewer(request: Request, settings: Settings) -> health_service.Viewer:
     headers = Headers(scope=request.scope)
-    if gate.is_operator(headers, settings):
+    if key_gate.is_operator(headers, settings):
         return "operator"
-    key = gate.presented_key(headers)
+    key = key_gate.presented_key(headers)
     if key is None:
         return "anonymous"
     try:

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 
-from api import gate
+from api import key_gate
 from api.deps import SettingsDep
 from api.errors import Unauthorized, error_responses
 from api.services import fleet_metrics as metrics_service
@@ -28,7 +28,7 @@ router = APIRouter(tags=["metrics"])
     },
 )
 def metrics(request: Request, settings: SettingsDep) -> Response:
-    if not gate.is_operator(Headers(scope=request.scope), settings):
+    if not key_gate.is_operator(Headers(scope=request.scope), settings):
         raise Unauthorized(
             "/metrics needs 'Authorization: Bearer <OFFPEAK_METRICS_TOKEN>' (or the admin key)."
         )

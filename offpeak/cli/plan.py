@@ -1,9 +1,9 @@
 """`offpeak plan memory|batch`, `offpeak simulate policies` and `offpeak calibrate MODEL`.
 
-Command-line faces of ``workers.planner``, ``workers.sim.policies`` and ``workers.calibration``:
-the seed lesson's three calculations (``shared/seed/serving-models.txt``) as tools an operator
-runs. Every command prints rich tables, or one JSON object with ``--json``; ``--plot FILE.png``
-draws the result with matplotlib (imported only then, so the CLI starts fast).
+Command-line faces of ``workers.planner``, ``workers.sim.policies`` and ``workers.calibration``: the
+calculations of ``docs/planning.md`` as tools an operator runs. Every command prints rich tables, or
+one JSON object with ``--json``; ``--plot FILE.png`` draws the result with matplotlib (imported only
+then, so the CLI starts fast).
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ from workers.planner import StepModel
 if TYPE_CHECKING:
     from workers.engine.base import Engine
 
-plan_app = typer.Typer(help="Capacity planning from the seed's cost models.", no_args_is_help=True)
+plan_app = typer.Typer(
+    help="Capacity planning: the step model and KV-cache memory (docs/planning.md).",
+    no_args_is_help=True,
+)
 simulate_app = typer.Typer(help="Simulations of batching policies.", no_args_is_help=True)
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
@@ -130,8 +133,8 @@ def plan_memory_command(
 ) -> None:
     """Sequences that fit in memory: reserved for the whole context vs paged as tokens arrive.
 
-    The seed's example: --kv-bytes-per-token 131072 --weights-gb 16 --device-gb 80 prints 59
-    reserved at 8,192 tokens and 244 paged at 2,000.
+    Llama 3 8B on an 80 GB GPU: --kv-bytes-per-token 131072 --weights-gb 16 --device-gb 80
+    prints 59 reserved at 8,192 tokens and 244 paged at 2,000.
     """
     config_path = config or model_folder
     kv = _kv_per_token(kv_bytes_per_token, config_path, dtype_bytes)
@@ -254,8 +257,9 @@ def plan_batch_command(
     """Step time, tokens/s per user and in total by batch size; the largest batch that keeps
     every user at or above --floor (exact and among the candidates), capped by memory.
 
-    Defaults are the seed's worked example: 10 + 0.4 ms, 40 tokens/s, candidates 10/20/30/40
-    give 30; the exact answer is 37. With --floor 0 (offline) the answer is --max-batch-memory.
+    Defaults are the worked example of docs/planning.md: 10 + 0.4 ms, 40 tokens/s, candidates
+    10/20/30/40 give 30; the exact answer is 37. With --floor 0 (offline) the answer is
+    --max-batch-memory.
     """
     model, source = _step_model(base_ms, per_seq_ms, calibrated, device)
     sizes = _int_list(candidates, "--candidates")
@@ -389,8 +393,8 @@ def simulate_policies_command(
 ) -> None:
     """One at a time vs static batches vs continuous batching on one simulated device.
 
-    Defaults are the seed's: 427 requests; 46 finished one at a time; continuous batching about
-    ten times that throughput with nothing left queued.
+    Defaults are docs/planning.md's: 427 requests; 46 finished one at a time; continuous
+    batching about ten times that throughput with nothing left queued.
     """
     from workers.sim.policies import simulate_policies
 

@@ -121,7 +121,7 @@ def simulate_day_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Replay a day of real-time load and batch arrivals through the real scheduler, with the
-    seed's step cost (10 ms + 0.4 ms per sequence) on a virtual clock; the configured scheduler
+    default step model (10 ms + 0.4 ms per sequence) on a virtual clock; the configured scheduler
     settings apply (its load signals are replaced by the curve)."""
     from workers.sim.day import DayParams, simulate_day
     from workers.sim.load import diurnal_curve
@@ -224,9 +224,9 @@ def simulate_colocate_command(
     seed: Annotated[int, typer.Option(help="Random seed (arrivals).")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """The batch lane's controller against a simulated real-time server sharing its steps
-    (default: the seed's GPU-like 10 ms + 0.4 ms per sequence): real-time alone, batch with the
-    lane off, batch with the lane at the configured settings; per phase quiet, busy, quiet."""
+    """The batch lane's controller against a simulated real-time server sharing its steps (default:
+    the step model's GPU-like 10 ms + 0.4 ms per sequence): real-time alone, batch with the lane
+    off, batch with the lane at the configured settings; per phase quiet, busy, quiet."""
     from workers.sim.colocate import ColocateParams, simulate_colocate
 
     try:

@@ -239,7 +239,7 @@ def test_only_an_unavailable_database_is_a_503(settings: Settings) -> None:
 
         return route
 
-    # Outside /v1, so no key is needed (``api.gate``): the routes are about the handler.
+    # Outside /v1, so no key is needed (``api.key_gate``): the routes are about the handler.
     app.add_api_route("/probe/deadlock", raise_(deadlock))
     app.add_api_route("/probe/refused", raise_(refused))
     http = TestClient(app, raise_server_exceptions=False)  # no lifespan: no database needed

@@ -479,7 +479,7 @@ def test_openapi_declares_what_each_route_answers(http: TestClient) -> None:
 
     # 409 and 422 on the creates: an Idempotency-Key in flight, or reused with another body.
     # 503 on every /v1 route: the database is unavailable (tests/integration/test_api_db_outage.py);
-    # 429 on every tenant's route: too many wrong keys from one address (``api.gate``).
+    # 429 on every tenant's route: too many wrong keys from one address (``api.key_gate``).
     assert statuses("/v1/batches", "post") == {
         "200", "400", "401", "404", "409", "413", "422", "429", "503"
     }  # fmt: skip

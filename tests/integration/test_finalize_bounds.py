@@ -41,7 +41,7 @@ from offpeak import celery_app
 from offpeak.settings import ModelConfig, Settings, get_settings
 from storage.blobs import get_blob_store
 from storage.db import session_scope
-from storage.models import Batch, File, LedgerEntry, QueuedMessage
+from storage.models import Batch, File, LedgerEntry, TaskMessage
 from storage.repositories import batches as batches_repo
 from storage.repositories import requests as requests_repo
 from tests.support.batches import line
@@ -271,17 +271,17 @@ def test_a_lost_finalize_is_sent_again_once_its_record_is_stale(
     assert broker.count(broker.control, celery_app.FINALIZE_TASK) == 0  # it may still be on its way
     key = celery_app.finalize_key(batch_id)
     with session_scope(settings.resolved_database_url) as session:
-        record = session.get(QueuedMessage, key)
+        record = session.get(TaskMessage, key)
         assert record is not None
         first_wait = record.wait_seconds
         # As if ``first_wait`` seconds had passed with the message unstarted.
         session.execute(
-            update(QueuedMessage).where(QueuedMessage.key == key).values(resend_at=time.time())
+            update(TaskMessage).where(TaskMessage.key == key).values(resend_at=time.time())
         )
     tasks.sweep()
     assert broker.count(broker.control, celery_app.FINALIZE_TASK) == 1
     with session_scope(settings.resolved_database_url) as session:
-        record = session.get(QueuedMessage, key)
+        record = session.get(TaskMessage, key)
         assert record is not None and record.wait_seconds == 2 * first_wait  # re-sent more rarely
     _hand_back(settings, held)
     broker.run(broker.control, tasks, only=celery_app.FINALIZE_TASK)
@@ -299,8 +299,8 @@ def test_a_lost_drain_is_sent_again_once_its_record_is_stale(
     assert broker.count(broker.model, celery_app.DRAIN_TASK) == 0
     with session_scope(settings.resolved_database_url) as session:
         session.execute(
-            update(QueuedMessage)
-            .where(QueuedMessage.key == celery_app.drain_key(MODEL))
+            update(TaskMessage)
+            .where(TaskMessage.key == celery_app.drain_key(MODEL))
             .values(resend_at=time.time())
         )
     tasks.sweep()
@@ -331,7 +331,7 @@ def any_db_settings(
 def test_reserve_sends_only_missing_lost_or_overtaken_keys(any_db_settings: Settings) -> None:
     """The record's rules in one statement, on both databases: a fresh record holds a send back,
     a lost one lets it through (doubling its wait), a sooner message overtakes a later one."""
-    from storage.repositories import queued_messages
+    from storage.repositories import task_messages as task_messages_repo
 
     url = any_db_settings.resolved_database_url
     tag = secrets.token_hex(3)
@@ -339,7 +339,7 @@ def test_reserve_sends_only_missing_lost_or_overtaken_keys(any_db_settings: Sett
 
     def reserve(keys: list[str], *, now: float, due_at: float, sooner: bool) -> list[str]:
         with session_scope(url) as session:
-            return queued_messages.reserve(
+            return task_messages_repo.reserve(
                 session, keys, mark=f"m{now}", now=now, due_at=due_at, wait_seconds=10,
                 max_wait_seconds=25, sooner=sooner,
             )  # fmt: skip
@@ -352,16 +352,16 @@ def test_reserve_sends_only_missing_lost_or_overtaken_keys(any_db_settings: Sett
     assert reserve([later], now=104.5, due_at=105.5, sooner=True) == []  # one is due sooner
     assert reserve([lost], now=110, due_at=110, sooner=False) == [lost]
     with session_scope(url) as session:
-        record = session.get(QueuedMessage, lost)
+        record = session.get(TaskMessage, lost)
         assert record is not None
         assert (record.wait_seconds, record.resend_at, record.mark) == (20, 130, "m110")
     assert reserve([lost], now=129, due_at=129, sooner=False) == []
     assert reserve([lost], now=130, due_at=130, sooner=False) == [lost]
     with session_scope(url) as session:
-        record = session.get(QueuedMessage, lost)
+        record = session.get(TaskMessage, lost)
         assert record is not None and record.wait_seconds == 25  # doubled, up to the cap
-        assert queued_messages.release(session, [lost], "m110") == 0  # an older message's mark
-        assert queued_messages.release(session, [lost], "m130") == 1
+        assert task_messages_repo.release(session, [lost], "m110") == 0  # an older message's mark
+        assert task_messages_repo.release(session, [lost], "m130") == 1
     assert reserve([lost], now=131, due_at=131, sooner=False) == [lost]
 
 

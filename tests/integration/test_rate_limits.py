@@ -14,7 +14,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.ratelimit import RedisLimiter
+from api.rate_limits import RedisLimiter
 from api.services import keys
 from api.services import tenants as tenants_service
 from offpeak.settings import Settings

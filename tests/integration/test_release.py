@@ -19,16 +19,16 @@ from tests.support.batches import line_statuses
 from tests.support.scheduler import MetricsEndpoint
 from workers.engine import registry
 from workers.engine.base import EngineRequest, SamplingSpec
-from workers.engine.idle_release import IdleReleaser
 from workers.engine.release import (
     ReleasableEngine,
     releasable,
     release_if_held_back,
     startup_seconds,
 )
+from workers.engine.release_check import ReleaseCheck
 from workers.planner import StepModel
 from workers.runner import Runner
-from workers.scheduler.hysteresis import Gate
+from workers.scheduler.gate import Gate
 from workers.scheduler.signals import LoadReading
 
 # The scheduler tests' fixtures: a model and a pool of the test's own, a Prometheus endpoint
@@ -169,23 +169,23 @@ def test_an_idle_models_engine_is_released_by_the_workers_own_check(
                     step_model=StepModel(base_ms=10, per_seq_ms=0))  # fmt: skip
     assert runner.drain().requests == 3
     assert end(settings, sdk, batch_id, ids).status == "completed"
-    releaser = IdleReleaser(settings, lambda: {model: runner}, every=60.0)
-    assert releaser.check() == [] and not engine.released, "gate open, idle release off"
+    release_check = ReleaseCheck(settings, lambda: {model: runner}, every=60.0)
+    assert release_check.check() == [] and not engine.released, "gate open, idle release off"
     endpoint.set(waiting=20)  # the gate closes; with no batch, no drain reads it
     deadline = time.monotonic() + 30
     while runner.gate.open:
         assert time.monotonic() < deadline, "the check never read the load"
-        assert releaser.check() == []  # closed for less than release_after_seconds
+        assert release_check.check() == []  # closed for less than release_after_seconds
         time.sleep(0.2)
     later = time.time() + 61.0
-    with releaser.busy(model):
-        assert releaser.check(at=later) == [], "a drain holds the engine"
-    assert releaser.check(at=later) == [model]
+    with release_check.busy(model):
+        assert release_check.check(at=later) == [], "a drain holds the engine"
+    assert release_check.check(at=later) == [model]
     assert engine.released and model not in registry.loaded()
     # Gate open again, the engine back; idle 31 s past a 30 s idle limit: released again.
     endpoint.set(waiting=0)
     engine.restore()
-    idle = IdleReleaser(with_policy(settings, release_idle_after_seconds=30.0),
+    idle = ReleaseCheck(with_policy(settings, release_idle_after_seconds=30.0),
                         lambda: {model: runner}, every=60.0)  # fmt: skip
     now = time.monotonic()
     assert idle.check(now=now) == [] and not engine.released

@@ -48,7 +48,7 @@ def test_replicas_needed_on_the_api_metrics_after_a_sweep(
     settings: Settings, model: str, tenant: tuple[str, OpenAI]
 ) -> None:
     """200 lines of 2,000 expected tokens due in 60 s (margin 10%: 6 s) on engines of 16 slots
-    at the seed's step model (10 ms + 0.4 ms per sequence: 16 / 16.4 ms = 976 tokens/s): 400,000
+    at the default step model (10 ms + 0.4 ms per sequence: 16 / 16.4 ms = 976 tokens/s): 400,000
     tokens in ~53 s need 8 engines. An idle configured model needs 0."""
     idle = f"{model}-idle"
     settings = with_policy(
@@ -81,7 +81,7 @@ def test_a_model_left_at_the_default_sequence_limit_is_swept_at_its_devices_defa
     """``max_num_seqs`` unset (the default) is the device's default, 128 on a CPU (no engine
     chunk yet: the device is taken to be ``cpu``); the sweep failed on every such model
     (``max(1, None)``) and published nothing. 200 lines of 2,000 tokens due in 60 s would want
-    4 engines of 128 sequences (2,092 tokens/s each at the seed's step model); 2 can share
+    4 engines of 128 sequences (2,092 tokens/s each at the default step model); 2 can share
     them."""
     assert ModelConfig(engine="instant").max_num_seqs is None
     settings = with_policy(

@@ -22,7 +22,7 @@ from offpeak.settings import ModelConfig, Settings
 from storage import task_messages
 from storage.blobs import get_blob_store
 from storage.db import session_scope
-from storage.models import Batch, QueuedMessage, WebhookDelivery, WebhookEvent
+from storage.models import Batch, TaskMessage, WebhookDelivery, WebhookEvent
 from storage.repositories import webhooks as webhooks_repo
 from tests.support.batches import line, validate, wait_for_end
 from tests.support.billing import AcctTenant, end, make, run
@@ -146,7 +146,7 @@ def test_every_batch_event_arrives_signed_and_verifies_with_the_sdk(
     assert {b: _events_of(settings, b) for b in expected} == dict.fromkeys(expected, 1)
     # The delivery task was queued once its transaction committed.
     with session_scope(settings.resolved_database_url) as session:
-        assert session.get(QueuedMessage, "webhooks") is not None
+        assert session.get(TaskMessage, "webhooks") is not None
 
     _deliver_until(settings, lambda: len(receiver.requests) >= 4)
     webhook_delivery.deliver_due(settings)
@@ -375,7 +375,7 @@ def test_send_deliver_webhooks_queues_one_message(settings: Settings) -> None:
     task_messages.send_deliver_webhooks(settings)
     task_messages.send_deliver_webhooks(settings)
     with session_scope(settings.resolved_database_url) as session:
-        assert session.scalar(select(func.count()).where(QueuedMessage.key == "webhooks")) == 1
+        assert session.scalar(select(func.count()).where(TaskMessage.key == "webhooks")) == 1
 
 
 def test_the_workers_deliver_through_celery_on_the_embedded_stack(tmp_path: Path) -> None:

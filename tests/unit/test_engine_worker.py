@@ -17,12 +17,12 @@ class Closing:
         self.closed += 1
 
 
-def test_stop_closes_every_loaded_engine_and_the_idle_check_once() -> None:
+def test_stop_closes_every_loaded_engine_and_the_release_check_once() -> None:
     engines = {"a": Closing(), "b": Closing()}
     registry._engines.update(engines)  # type: ignore[arg-type]
     worker = EngineWorker(SimpleNamespace())  # type: ignore[arg-type]
     stopped: list[bool] = []
-    worker.idle = SimpleNamespace(stop=lambda: stopped.append(True))  # type: ignore[assignment]
+    worker.release_check = SimpleNamespace(stop=lambda: stopped.append(True))  # type: ignore[assignment]
     worker.stop(None)
     worker.stop(None)  # Celery's shutdown, then the command's exit: the second finds nothing
     assert [e.closed for e in engines.values()] == [1, 1] and registry.loaded() == {}

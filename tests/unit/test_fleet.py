@@ -13,8 +13,8 @@ from tests.support.fake_vllm import FakeServer
 from workers.engine.base import Completion, EngineFault, EngineRequest, EngineResult, SamplingSpec
 from workers.engine.fleet import FleetEngine, candidates, resolve
 from workers.engine.remote_meter import ServerUsage
+from workers.lane.fleet_steering import FleetSteering, steering_for
 from workers.planner import StepModel
-from workers.runner.fleet_steering import FleetSteering, steering_for
 from workers.vllm_metrics import ServerTokens
 
 

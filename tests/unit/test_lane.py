@@ -1,4 +1,4 @@
-"""The batch lane's controller (``workers.scheduler.lane``): windowed p95s from Prometheus bucket
+"""The batch lane's controller (``workers.lane.controller``): windowed p95s from Prometheus bucket
 deltas, the AIMD decisions on made-up server readings, and the runner following the limit on a
 real database with a stand-in engine (the tests are about admission, not the model)."""
 
@@ -10,8 +10,8 @@ from prometheus_client import Histogram as PromHistogram
 
 from offpeak.settings import LaneSettings
 from tests.support.fake_vllm import BOUNDS, FakeServer, hist
+from workers.lane.controller import LaneController, victims
 from workers.planner import StepModel
-from workers.scheduler.lane import LaneController, victims
 from workers.vllm_metrics import Histogram, ServerSnapshot, parse_snapshot
 
 
@@ -192,7 +192,7 @@ def test_victims_newest_first_urgent_last() -> None:
 
 def test_simulated_colocation_lane_keeps_the_floor_the_naive_lane_breaks_it() -> None:
     """The runner and the lane on the virtual clock against the simulated shared server (the
-    seed's 10 ms + 0.4 ms step): with the lane, real-time TPOT p95 stays within 2.4x what it is
+    default 10 ms + 0.4 ms step): with the lane, real-time TPOT p95 stays within 2.4x what it is
     alone and batch work still runs; without it (max_num_seqs in flight) it does not."""
     from workers.sim.colocate import ColocateParams, run_leg
 

@@ -11,9 +11,9 @@ from pydantic import ValidationError
 from bench.slo import Slo, bench_lane
 from offpeak.lane_settings import LaneSettings, LaneTargets
 from offpeak.settings import ModelConfig, SchedulerSettings, Settings
+from workers.lane.controller import LaneController
+from workers.lane.steering import LaneSteering
 from workers.planner import StepModel
-from workers.runner.lane_steering import LaneSteering
-from workers.scheduler.lane import LaneController
 
 
 def test_environment_sets_the_pool_lane_and_a_models_own_targets(

@@ -84,6 +84,9 @@ def test_each_contract_breaks_on_a_forbidden_import(
         ("engine-worker", "workers.shutdown", "workers.engine.registry"),
         ("engine-worker", "workers.engine_worker", "workers.tasks"),
         ("vllm-shared", "workers.engine.vllm_pooling", "workers.engine.vllm_engine"),
+        # The lane's package: the scheduler's metrics once imported its controller.
+        ("lane", "workers.scheduler.scheduler_metrics", "workers.lane.controller"),
+        ("lane", "workers.lane.steering", "workers.runner.loop"),
     ],
 )
 def test_an_import_back_breaks_its_contract(

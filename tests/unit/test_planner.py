@@ -1,5 +1,5 @@
-"""The seed's numbers (``shared/seed/serving-models.txt``) through ``offpeak plan``, ``offpeak
-simulate`` and the planner the worker uses; calibration against an engine with a known step time."""
+"""The figures of ``docs/planning.md`` through ``offpeak plan``, ``offpeak simulate`` and the
+planner the worker uses; calibration against an engine with a known step time."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from workers.planner import (
 
 runner = CliRunner()
 
-#: Llama 3 8B's config.json, the fields the KV cache depends on (the seed's example model).
+#: Llama 3 8B's config.json, the fields the KV cache depends on (the example of docs/planning.md).
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
     "hidden_size": 4096,
@@ -43,7 +43,7 @@ LLAMA3_8B = {
     "num_key_value_heads": 8,
     "torch_dtype": "bfloat16",
 }
-SEED_MEMORY = ["--weights-gb", "16", "--device-gb", "80"]
+EXAMPLE_MEMORY = ["--weights-gb", "16", "--device-gb", "80"]
 
 
 def invoke(*args: str) -> Any:
@@ -59,8 +59,8 @@ def invoke_json(*args: str) -> dict[str, Any]:
 # --- plan memory ------------------------------------------------------------------------------
 
 
-def test_plan_memory_seed_example_prints_59_reserved_and_244_paged() -> None:
-    args = ("plan", "memory", "--kv-bytes-per-token", "131072", *SEED_MEMORY)
+def test_plan_memory_example_prints_59_reserved_and_244_paged() -> None:
+    args = ("plan", "memory", "--kv-bytes-per-token", "131072", *EXAMPLE_MEMORY)
     plan = invoke_json(*args)
     assert (plan["reserved_tokens"], plan["reserved_sequences"]) == (8192, 59)
     assert (plan["paged_avg_tokens"], plan["paged_sequences"]) == (2000, 244)
@@ -73,12 +73,14 @@ def test_plan_memory_seed_example_prints_59_reserved_and_244_paged() -> None:
 def test_plan_memory_reads_kv_bytes_from_config_json(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA3_8B))
-    plan = invoke_json("plan", "memory", "--config", str(config), *SEED_MEMORY)
+    plan = invoke_json("plan", "memory", "--config", str(config), *EXAMPLE_MEMORY)
     assert plan["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2 == 131_072
     assert (plan["reserved_sequences"], plan["paged_sequences"]) == (59, 244)
 
     # An fp8 KV cache halves the bytes per token, so twice as many sequences fit.
-    fp8 = invoke_json("plan", "memory", "--config", str(config), "--dtype-bytes", "1", *SEED_MEMORY)
+    fp8 = invoke_json(
+        "plan", "memory", "--config", str(config), "--dtype-bytes", "1", *EXAMPLE_MEMORY
+    )
     assert fp8["kv_bytes_per_token"] == 65_536
     assert fp8["paged_sequences"] == 488
 
@@ -113,14 +115,14 @@ def test_kv_bytes_per_token_needs_the_layer_count() -> None:
 # --- plan batch -------------------------------------------------------------------------------
 
 
-def test_plan_batch_seed_worked_example_gives_30_of_the_candidates_and_37_exact() -> None:
+def test_plan_batch_worked_example_gives_30_of_the_candidates_and_37_exact() -> None:
     args = ("plan", "batch", "--base-ms", "10", "--per-seq-ms", "0.4", "--floor", "40",
             "--candidates", "10,20,30,40")  # fmt: skip
     summary = invoke_json(*args)
     assert summary["best_candidate"] == 30
     assert summary["exact_largest"] == 37
     rows = {r["batch"]: r for r in summary["rows"]}
-    # The seed: "At 30, each user still gets 45 ... and the total is 1,364. At 40 ... 38".
+    # docs/planning.md: at 30 each user gets 45 tokens/s, 1,364 in total; at 40, 38.
     assert round(rows[30]["per_user_tokens_per_s"]) == 45
     assert round(rows[30]["total_tokens_per_s"]) == 1364
     assert round(rows[40]["per_user_tokens_per_s"]) == 38
@@ -164,7 +166,7 @@ def test_largest_batch_without_floor_or_memory_is_unbounded() -> None:
 # --- simulate policies ------------------------------------------------------------------------
 
 
-def test_simulate_policies_reproduces_the_seed() -> None:
+def test_simulate_policies_prints_the_planning_table() -> None:
     result = invoke_json("simulate", "policies")
     assert result["requests"] == 427
     policies = {p["policy"]: p for p in result["policies"]}
@@ -173,13 +175,13 @@ def test_simulate_policies_reproduces_the_seed() -> None:
         policies["static batches"],
         policies["continuous batching"],
     )
-    # The seed's prose: 46 finished one at a time, ~10x throughput continuous, none queued,
+    # docs/planning.md: 46 finished one at a time, ~10x throughput continuous, none queued,
     # median wait under 5 s.
     assert one["finished"] == 46
     assert 9.5 < continuous["tokens_per_s"] / one["tokens_per_s"] < 10.5
     assert continuous["still_queued"] == 0
     assert continuous["median_wait_s"] < 5
-    # Exactly what the seed's own code prints (run verbatim with numpy 2.3).
+    # docs/planning.md's table to the last digit (numpy 2.3's default_rng).
     assert [one["tokens_per_s"], static["tokens_per_s"], continuous["tokens_per_s"]] == [
         96.025,
         403.5416666666667,
@@ -212,9 +214,8 @@ def assert_png(path: Path) -> None:
 
 def test_plots_write_valid_pngs(tmp_path: Path) -> None:
     memory_png, batch_png = tmp_path / "memory.png", tmp_path / "batch.png"
-    invoke(
-        "plan", "memory", "--kv-bytes-per-token", "131072", *SEED_MEMORY, "--plot", str(memory_png)
-    )
+    memory = ("plan", "memory", "--kv-bytes-per-token", "131072", *EXAMPLE_MEMORY)
+    invoke(*memory, "--plot", str(memory_png))
     invoke("plan", "batch", "--plot", str(batch_png))
     assert_png(memory_png)
     assert_png(batch_png)

@@ -16,7 +16,7 @@ import pytest
 from offpeak.scheduler_state import PauseState
 from offpeak.settings import SchedulerSettings
 from tests.support.scheduler import MetricsEndpoint, metrics_endpoint
-from workers.scheduler.hysteresis import Gate
+from workers.scheduler.gate import Gate
 from workers.scheduler.signals import (
     BackgroundMonitor,
     LoadMonitor,

@@ -1,4 +1,4 @@
-"""The simulated day: the real runner on a virtual clock with the seed's step cost. Constant high
+"""The simulated day: the real runner on a virtual clock with the default step model. Constant high
 load runs only what is urgent; hysteresis keeps a noisy load from flapping the gate; the CLI
 prints the figures. (The default whole day: ``tests/integration/test_simulated_day.py``.)"""
 

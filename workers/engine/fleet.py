@@ -5,7 +5,7 @@ A model behind a load balancer or a Kubernetes Service is served by N replicas; 
 balancer, batch lines would land on replicas whose metrics no lane reads. So the fleet talks to
 each replica directly, one ``RemoteEngine`` each: ``ModelConfig.url`` and ``urls`` name them, or
 ``discover`` resolves ``url``'s host to every address it has (a headless Service's DNS answer)
-every ``discover_seconds``. The runner's lane (``workers.runner.fleet_steering``) gives each
+every ``discover_seconds``. The runner's lane (``workers.lane.fleet_steering``) gives each
 replica its own limit from its own ``/metrics``; a line goes to the replica with the most room
 under its limit.
 

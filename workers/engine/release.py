@@ -45,7 +45,7 @@ from workers.engine.base import (
     UsageMeter,
 )
 from workers.scheduler.chunking import engine_room
-from workers.scheduler.hysteresis import Gate
+from workers.scheduler.gate import Gate
 
 log = logging.getLogger(__name__)
 

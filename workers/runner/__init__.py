@@ -2,11 +2,10 @@
 
 - ``loop``: ``Runner``, the loop that ties the parts: engine steps, yields, write-backs,
   stops (start reading here);
-- ``gating``: the load signals read into the hysteresis gate;
+- ``load_gate``: the load signals read into the hysteresis gate;
 - ``urgency``: the batches' slack estimates and the urgent set;
 - ``claims``: the claim pipeline (how much to claim, claims on the claim thread through
   ``claim_ahead``, the chunk queued and the engine's slots sized);
-- ``lane_steering``: the batch lane's decisions for a shared real-time server;
 - ``hand_back``: every held line back to pending after a fault or on a stop;
 - ``stats``: a run's totals and the engine's recent tokens/s;
 - ``held``: the lines held in memory, queued or running, and how they join the engine (the
@@ -17,6 +16,8 @@
 - ``results``: a line's end as it is stored (``storage.repositories.requests.FinishedLine``);
 - ``gc_tuning``: the engine worker's garbage-collector threshold (a line's objects outlive
   CPython's default young generation).
+
+With a shared real-time server the loop also follows the batch lane's limit (``workers.lane``).
 """
 
 from offpeak.ids import worker_id

@@ -1,6 +1,6 @@
 """The runner's loop: load, deadlines, claims, engine steps and write-backs for one model.
 
-Each turn it reads the load into the hysteresis gate (``workers.runner.gating``, every
+Each turn it reads the load into the hysteresis gate (``workers.runner.load_gate``, every
 ``load_poll_seconds``), refreshes the batches' slack and the urgent set
 (``workers.runner.urgency``, every ``estimate_seconds``), tops the engine up and steps it once.
 
@@ -14,7 +14,7 @@ Each turn it reads the load into the hysteresis gate (``workers.runner.gating``,
   go back to pending and, with ``abort_on_yield``, so do running sequences. Urgent batches
   (slack below their margin) are exempt: they are claimed, admitted and kept whatever the load;
   a hard pause stops them too.
-- **The batch lane** (``workers.runner.lane_steering``): with a shared real-time server, the
+- **The batch lane** (``workers.lane.steering``): with a shared real-time server, the
   lane's limit caps the slots and the lines above it go back to pending.
 - **Write-back** every ``flush_seconds`` (``workers.runner.write_back``): results, the engine
   time they took, a lease heartbeat, and the batches' statuses, which stop the lines of
@@ -44,22 +44,23 @@ from workers.adapters import AdapterBook
 from workers.engine.base import Engine, EngineFault, LoraSpec
 from workers.engine.release import startup_seconds
 from workers.engine_io import LineError
+from workers.lane.controller import LaneDecision
+from workers.lane.fleet_steering import FleetSteering, steering_for
+from workers.lane.lane_metrics import LANE_ABORTED
+from workers.lane.scraper import ServerMetrics
+from workers.lane.steering import LaneSteering
 from workers.planner import StepModel
 from workers.runner import results
 from workers.runner.claims import Claimed, ClaimPipeline
-from workers.runner.fleet_steering import FleetSteering, steering_for
-from workers.runner.gating import LoadGate
 from workers.runner.hand_back import give_back, hand_back_all
 from workers.runner.held import HeldLine, HeldLines
-from workers.runner.lane_steering import LaneSteering
+from workers.runner.load_gate import LoadGate
 from workers.runner.stats import DrainStats, TokenRate
 from workers.runner.urgency import Urgency
 from workers.runner.write_back import ResultWriter
 from workers.scheduler import scheduler_metrics as metrics
 from workers.scheduler.chunking import engine_room
 from workers.scheduler.clock import Clock, WallClock
-from workers.scheduler.lane import LaneDecision
-from workers.scheduler.lane_scraper import ServerMetrics
 from workers.scheduler.lease_heartbeat import LeaseHeartbeat
 from workers.scheduler.signals import LoadMonitor
 from workers.scheduler.slack import Estimate, calibrated
@@ -119,7 +120,7 @@ class Runner:
         self.gate = self.load.gate
         self.room = engine_room(engine, settings.models.get(self.model))
         self.slots = self.room.max_num_seqs
-        #: Fallback throughput before any is measured: the calibrated or the seed's step model.
+        #: Fallback throughput before any is measured: the calibrated or the default step model.
         self.step_model = step_model or calibrated(settings, self.model, device)
         self.held = HeldLines()
         #: Batches cancelled or expired while this runner held their lines, and what those lines
@@ -401,7 +402,7 @@ class Runner:
         self.writer.release([h.row for h in taken], count_attempt=False)
         self._stats.aborted += len(taken)
         if self.export_metrics:
-            metrics.LANE_ABORTED.labels(self.model).inc(len(taken))
+            LANE_ABORTED.labels(self.model).inc(len(taken))
         log.info("%s: lane aborted %d running batch lines back to pending", self.model, len(taken))
 
     def _admissible(self, batch_id: str) -> bool:

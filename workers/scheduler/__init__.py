@@ -2,7 +2,7 @@
 
 - ``signals``: how busy the GPU is with real-time serving (Prometheus, NVML, an off-peak
   schedule, the admin pause switch, or always idle), one number per reading.
-- ``hysteresis``: low- and high-water marks, so batch work does not flap on and off.
+- ``gate``: whether batch work may start, with low- and high-water marks so it does not flap.
 - ``slack``: each batch's estimated completion time and slack; urgent batches run regardless.
 - ``chunking``: claim sizing from the engine's room and prefix-grouped ordering of a chunk.
 - ``scheduler_metrics``: the scheduler's Prometheus gauges and counters (load, gate, slack, slots).

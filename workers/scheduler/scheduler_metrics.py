@@ -1,5 +1,5 @@
-"""The scheduler's Prometheus metrics (load, gate, pause, slack, slots, yields, the batch lane),
-in the process's default registry.
+"""The scheduler's Prometheus metrics (load, gate, pause, slack, slots, yields), in the process's
+default registry; the batch lane's are ``workers.lane.lane_metrics``.
 
 A worker exposes them on its own metrics endpoint (``OFFPEAK_METRICS_PORT``,
 ``workers.worker_metrics``) next to whatever else registers there; the API's fleet-wide
@@ -14,8 +14,7 @@ from collections.abc import Iterable
 
 from prometheus_client import Counter, Gauge
 
-from workers.scheduler.hysteresis import Gate
-from workers.scheduler.lane import LaneDecision
+from workers.scheduler.gate import Gate
 from workers.scheduler.signals import LoadReading
 from workers.scheduler.slack import Estimate
 
@@ -82,63 +81,3 @@ def observe_prefix_hit_rate(model: str, hit_rate: float) -> None:
     """The worker's running cached / prompt tokens ratio (the token counters themselves are
     ``offpeak_worker_tokens_total{kind="prompt"|"cached"}``, ``workers.worker_metrics``)."""
     PREFIX_HIT_RATE.labels(model).set(hit_rate)
-
-
-# The batch lane (``workers.scheduler.lane``): batch requests in flight at a shared real-time
-# server, and the readings each decision was taken on.
-LANE_LIMIT = Gauge(
-    "offpeak_lane_limit", "Batch requests the lane controller allows in flight.", ["model"]
-)
-LANE_IN_FLIGHT = Gauge(
-    "offpeak_lane_in_flight", "Batch requests in flight at the real-time server.", ["model"]
-)
-LANE_TPOT_P95 = Gauge(
-    "offpeak_lane_tpot_p95_seconds", "Windowed p95 inter-token latency at the server.", ["model"]
-)
-LANE_TTFT_P95 = Gauge(
-    "offpeak_lane_ttft_p95_seconds", "Windowed p95 time to first token at the server.", ["model"]
-)
-LANE_TPOT_TARGET = Gauge(
-    "offpeak_lane_tpot_target_seconds", "The lane's TPOT p95 target.", ["model"]
-)
-LANE_TTFT_TARGET = Gauge(
-    "offpeak_lane_ttft_target_seconds", "The lane's TTFT p95 target (0: not yet known).", ["model"]
-)
-LANE_REQUEST_TPOT_P95 = Gauge(
-    "offpeak_lane_request_tpot_p95_seconds",
-    "Windowed p95 of finished requests' own TPOT at the server.",
-    ["model"],
-)
-LANE_REQUEST_TPOT_TARGET = Gauge(
-    "offpeak_lane_request_tpot_target_seconds",
-    "The lane's target for finished requests' own TPOT p95 (0: not yet known).",
-    ["model"],
-)
-LANE_REALTIME_WAITING = Gauge(
-    "offpeak_lane_realtime_waiting", "Requests waiting at the real-time server.", ["model"]
-)
-LANE_DECISIONS = Counter(
-    "offpeak_lane_decisions", "Lane controller decisions by action.", ["model", "action"]
-)
-LANE_ABORTED = Counter(
-    "offpeak_lane_aborted_sequences",
-    "Batch lines aborted (back to pending) because the lane's limit fell below them.",
-    ["model"],
-)
-
-
-def observe_lane(model: str, decision: LaneDecision) -> None:
-    LANE_LIMIT.labels(model).set(decision.limit)
-    LANE_IN_FLIGHT.labels(model).set(decision.in_flight)
-    LANE_REALTIME_WAITING.labels(model).set(decision.waiting)
-    for gauge, value in (
-        (LANE_TPOT_P95, decision.tpot_p95),
-        (LANE_TTFT_P95, decision.ttft_p95),
-        (LANE_TPOT_TARGET, decision.tpot_target),
-        (LANE_TTFT_TARGET, decision.ttft_target or 0.0),
-        (LANE_REQUEST_TPOT_P95, decision.request_tpot_p95),
-        (LANE_REQUEST_TPOT_TARGET, decision.request_tpot_target or 0.0),
-    ):
-        if value is not None:
-            gauge.labels(model).set(value)
-    LANE_DECISIONS.labels(model, decision.action).inc()

@@ -12,7 +12,7 @@ slack falls below its margin is urgent: it runs even while real-time load is hig
 - Throughput = tokens generated per second of engine stepping: the runner's own measurement
   (one token per running sequence per step, decayed over about five minutes of stepping) when
   it has one, else completion tokens per busy second of the model's engine chunks, else the
-  calibrated (or the seed's) step model at the engine's batch size; times the live workers.
+  calibrated (or the default) step model at the engine's batch size; times the live workers.
 - Startup: an engine released while the gate was closed (``workers.engine.release``) needs its
   reload seconds before its first token; they are added to every batch's completion time, so a
   batch turns urgent early enough to pay for the reload.
@@ -303,7 +303,7 @@ def sweep_estimates(settings: Settings, models: Iterable[str], at: float) -> Non
 
 
 def calibrated(settings: Settings, model: str, device: str) -> StepModel:
-    """The step model ``offpeak calibrate`` stored for this model and device, else the seed's."""
+    """The step model ``offpeak calibrate`` stored for this model and device, else the default."""
     from workers.calibration import load_calibration
 
     try:

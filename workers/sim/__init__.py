@@ -5,9 +5,9 @@ tests and the benchmarks do.
 
 - ``day``: a simulated day (``offpeak simulate day``): the real ``workers.runner.Runner`` driven
   by the fakes below, and what it measures.
-- ``engine``: ``SimEngine``, the ``Engine`` interface costing the seed's step time.
+- ``engine``: ``SimEngine``, the ``Engine`` interface costing each step by the step model.
 - ``store``: ``MemoryStore``, the ``WorkStore`` interface in memory, fed by batch arrivals.
 - ``load``: the diurnal real-time load curve and the load signal that reads it.
 - ``policies``: one at a time vs static vs continuous batching (``offpeak simulate policies``),
-  the seed lesson's simulation.
+  the table of ``docs/planning.md``.
 """

@@ -1,14 +1,14 @@
 """Co-serving on paper: the batch lane's controller against a simulated real-time server.
 
 One simulated vLLM server on a virtual clock runs real-time requests (open-loop Poisson arrivals,
-replies of 50-500 tokens as in the seed's simulation, ``shared/seed/serving-models.txt``) and the
-batch lines ``workers.runner.Runner`` sends it, in the same continuous batch: every decode step
-costs ``base + per_sequence × running`` (the seed's GPU-like 10 ms + 0.4 ms by default), every
-running sequence gains one token, real-time requests are scheduled first (vLLM's priority
-policy) and at most ``max_num_seqs`` run. The server keeps the Prometheus histograms a real one
-exposes (inter-token latency, TTFT, running, waiting), which the real controller
-(``workers.scheduler.lane``) reads. Prefill is not costed (the step model has no term for it), so
-TTFT here is queueing plus one step.
+replies of 50-500 tokens as in ``offpeak simulate policies``) and the batch lines
+``workers.runner.Runner`` sends it, in the same continuous batch: every decode step costs ``base +
+per_sequence × running`` (by default the step model's GPU-like 10 ms + 0.4 ms,
+``docs/planning.md``), every running sequence gains one token, real-time requests are scheduled
+first (vLLM's priority policy) and at most ``max_num_seqs`` run. The server keeps the Prometheus
+histograms a real one exposes (inter-token latency, TTFT, running, waiting), which the real
+controller (``workers.lane.controller``) reads. Prefill is not costed (the step model has no term
+for it), so TTFT here is queueing plus one step.
 
 Phases quiet → busy → quiet (real-time rate as a fraction of the server's real-time capacity at
 the TPOT target), legs: (a) real-time alone, (b) batch with the lane off (``max_num_seqs`` in
@@ -29,9 +29,9 @@ import numpy as np
 
 from offpeak.settings import LaneSettings, ModelConfig, SchedulerSettings, Settings
 from workers.engine.base import Completion, EngineCapabilities, EngineRequest, EngineResult
+from workers.lane.controller import bound_tokens_per_s, realtime_capacity
 from workers.planner import StepModel, largest_batch
 from workers.scheduler.clock import VirtualClock
-from workers.scheduler.lane import bound_tokens_per_s, realtime_capacity
 from workers.sim.day import DAY_START
 from workers.sim.engine import MODEL
 from workers.sim.store import Arrival, MemoryStore
@@ -66,7 +66,7 @@ class _RtRequest:
 
 @dataclass
 class RtLoad:
-    """Real-time arrivals: ``(start, end, rate per second)`` phases, seed-like reply lengths."""
+    """Real-time arrivals: ``(start, end, rate per second)`` phases, replies of 50-500 tokens."""
 
     phases: Sequence[tuple[float, float, float]]
     min_reply: int = 50

@@ -1,11 +1,11 @@
-"""A simulated day: the real runner on a virtual clock, an engine that costs the seed's step time,
+"""A simulated day: the real runner on a virtual clock, an engine timed by the step model,
 a diurnal real-time load curve and batch arrivals.
 
 Only the engine (``workers.sim.engine``), the store (``workers.sim.store``), the clock and the
 load signal (``workers.sim.load``) are stand-ins; the loop, the gate, the slack estimates, the
 claim sizing and the yield logic are ``workers.runner.Runner`` as a worker runs it. The engine's
-decode step costs ``base + per_sequence × batch`` (the seed's 10 ms + 0.4 ms,
-``shared/seed/serving-models.txt``), and every running sequence gains one token per step.
+decode step costs ``base + per_sequence × batch`` (by default 10 ms + 0.4 ms,
+``docs/planning.md``), and every running sequence gains one token per step.
 Time only moves when the engine steps or the runner waits, so a day takes seconds.
 
 What it measures, over the simulated hours (``offpeak simulate day`` prints it):
@@ -32,7 +32,7 @@ from offpeak.statuses import BatchStatus
 from workers.planner import StepModel
 from workers.scheduler.clock import VirtualClock
 from workers.scheduler.signals import LoadMonitor
-from workers.sim.engine import MODEL, SEED_KV_CACHE_TOKENS, SimEngine
+from workers.sim.engine import LLAMA3_8B_KV_CACHE_TOKENS, MODEL, SimEngine
 from workers.sim.load import CurveSignal, LoadCurve, diurnal_curve
 from workers.sim.store import Arrival, MemoryStore
 
@@ -71,7 +71,7 @@ class DayParams:
     base_ms: float = 10.0
     per_seq_ms: float = 0.4
     max_num_seqs: int = 256
-    kv_cache_tokens: int = SEED_KV_CACHE_TOKENS
+    kv_cache_tokens: int = LLAMA3_8B_KV_CACHE_TOKENS
     seed: int = 0
 
     def curve(self) -> LoadCurve:

@@ -1,6 +1,6 @@
 """The simulation's engine: the ``Engine`` interface on a virtual clock, each decode step costing
-``base + per_sequence × batch`` seconds (``workers.planner.StepModel``, the seed's 10 ms + 0.4 ms,
-``shared/seed/serving-models.txt``)."""
+``base + per_sequence × batch`` seconds (``workers.planner.StepModel``, by default 10 ms + 0.4 ms,
+``docs/planning.md``)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from workers.planner import StepModel
 from workers.scheduler.clock import VirtualClock
 
 MODEL = "simulated-model"
-#: The seed's memory example: an 80 GB GPU serving Llama 3 8B (16 GB of weights) has room for
-#: (80e9 − 16e9) / 131,072 bytes per token = 488,281 tokens of KV cache.
-SEED_KV_BYTES_PER_TOKEN = 131_072
-SEED_KV_CACHE_TOKENS = 488_281
+#: Llama 3 8B's KV cache per token, and the tokens of it an 80 GB GPU holds beside its 16 GB of
+#: weights: (80e9 − 16e9) / 131,072 bytes per token = 488,281 (``docs/planning.md``).
+LLAMA3_8B_KV_BYTES_PER_TOKEN = 131_072
+LLAMA3_8B_KV_CACHE_TOKENS = 488_281
 
 
 class SimEngine:
@@ -40,7 +40,7 @@ class SimEngine:
         clock: VirtualClock,
         step_model: StepModel,
         max_num_seqs: int = 256,
-        kv_cache_tokens: int = SEED_KV_CACHE_TOKENS,
+        kv_cache_tokens: int = LLAMA3_8B_KV_CACHE_TOKENS,
         max_model_len: int = 4096,
         on_step: Callable[[float, float], None] | None = None,
     ) -> None:
@@ -53,7 +53,7 @@ class SimEngine:
             prefix_caching=True,
             max_num_seqs=max_num_seqs,
             kv_cache_tokens=kv_cache_tokens,
-            kv_bytes_per_token=SEED_KV_BYTES_PER_TOKEN,
+            kv_bytes_per_token=LLAMA3_8B_KV_BYTES_PER_TOKEN,
             block_size=self.block_size,
         )
         self.clock, self.step_model, self.on_step = clock, step_model, on_step

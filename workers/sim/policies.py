@@ -1,9 +1,9 @@
 """Simulation of batching policies on one device: one at a time, static batches, continuous.
 
-The seed lesson's simulation (``shared/seed/serving-models.txt``, "A simulation you can run") with
-every constant a parameter. It draws the same random numbers in the same order, so with the
-seed's parameters it reproduces the seed's table exactly: 427 requests, 46 finished one at a
-time, continuous batching at about ten times that throughput with nothing left queued.
+The three policies of ``docs/planning.md`` ("Batching policies") with every constant a
+parameter: Poisson arrivals, replies of uniformly drawn lengths, decode steps timed by the step
+model. With the defaults it gives that page's table: 427 requests, 46 finished one at a time,
+continuous batching at about ten times that throughput with nothing left queued.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def make_workload(
     """Poisson arrivals at ``rate`` requests/s for ``seconds``, replies of ``min_reply`` to
     ``max_reply`` tokens (inclusive, uniform).
 
-    Drawn as the seed draws them: ``default_rng(seed)``, then ``2 × rate × seconds`` exponential
+    Drawn in a fixed order: ``default_rng(seed)``, then ``2 × rate × seconds`` exponential
     gaps (cumulated, cut at ``seconds``), then the lengths. Raises ``ValueError`` for a
     non-positive rate or duration or an empty length range.
     """
@@ -75,10 +75,10 @@ def simulate(
 ) -> PolicyResult:
     """Run ``policy`` (one of ``POLICIES``) over ``workload`` with decode steps timed by ``step``.
 
-    The seed's loop, unchanged in logic: requests join at the step after they arrive; one at a
-    time runs a single request to its end; static batches wait for ``static_size`` requests and
-    run them until the longest finishes; continuous batching refills up to ``max_batch`` slots
-    before every step. Raises ``ValueError`` for an unknown policy.
+    Requests join at the step after they arrive; one at a time runs a single request to its end;
+    static batches wait for ``static_size`` requests and run them until the longest finishes;
+    continuous batching refills up to ``max_batch`` slots before every step. Raises ``ValueError``
+    for an unknown policy.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
@@ -133,7 +133,7 @@ def simulate_policies(
     max_batch: int = 32,
     seed: int = 0,
 ) -> tuple[Workload, list[PolicyResult]]:
-    """Every policy in ``POLICIES`` over one workload; defaults are the seed's parameters.
+    """Every policy in ``POLICIES`` over one workload; defaults are ``docs/planning.md``'s.
 
     Returns the workload (for its request count) and one result per policy, in ``POLICIES``
     order. Raises ``ValueError`` as ``make_workload``, or for a batch size below 1.

@@ -1,11 +1,11 @@
-"""The key is checked from the headers before anything reads a body.
+"""The key gate: the API key is checked from the headers before anything reads a body.
 
 FastAPI reads and parses a route's body before it solves the route's dependencies, so a key
 checked by a dependency lets an anonymous client make the API buffer, spool or parse whatever
 it sends. This middleware answers every ``/v1/…`` request without a valid key from its headers
 alone, and leaves the tenant (or the admin's pass) on the request's state for the dependencies
 of ``api.deps`` to pick up. Repeated wrong keys from one client address are answered 429, and
-so is a key past its requests per minute (``api.ratelimit``; the admin API has no limit), so a
+so is a key past its requests per minute (``api.rate_limits``; the admin API has no limit), so a
 limited client costs neither a body read nor a database query. A batch create past its
 tenant's batch creates per minute is answered 429 here too, before its body is read, so a
 refused create leaves nothing behind.
@@ -25,7 +25,7 @@ from starlette.datastructures import Headers
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api import ratelimit
+from api import rate_limits
 from api.errors import DATABASE_UNAVAILABLE, RETRY_AFTER_SECONDS, log_unavailable
 from api.services import keys
 from offpeak import tenant_limits
@@ -60,7 +60,7 @@ WRONG_ADMIN_KEY = "Incorrect admin API key provided."
 
 
 class Refused(Exception):
-    """An answer the gate gives instead of the route: ``status`` with ``message``."""
+    """An answer the key gate gives instead of the route: ``status`` with ``message``."""
 
     def __init__(
         self,
@@ -135,7 +135,7 @@ class KeyGateMiddleware:
         self.throttle = FailureThrottle(
             settings.auth_failures_allowed, settings.auth_failure_window_seconds
         )
-        self.limiter = ratelimit.limiter_for(settings)
+        self.limiter = rate_limits.limiter_for(settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -176,7 +176,7 @@ class KeyGateMiddleware:
 
         await self.app(scope, receive, send_with_limits)
 
-    async def _rate(self, tenant: Tenant, key: str) -> ratelimit.Verdict | None:
+    async def _rate(self, tenant: Tenant, key: str) -> rate_limits.Verdict | None:
         """The key's rate-limit verdict (``None``: no limit applies); raises ``Refused`` (429,
         OpenAI's ``rate_limit_exceeded`` of type ``requests``) past it."""
         limit = tenant_limits.one(

@@ -3,7 +3,7 @@
 When batch lines run *through* the real-time vLLM server (a remote engine), every running sequence
 shares the server's decode steps, so each batch line in flight slows every real-time user a
 little. The lane keeps the real-time users inside three targets, read every ``control_seconds``
-from the server's ``/metrics`` (``workers.scheduler.lane_scraper``):
+from the server's ``/metrics`` (``workers.lane.scraper``):
 
 - **TPOT p95**: the windowed inter-token latency. Every running sequence gets one token per step,
   so the server's inter-token latency is the real-time users' too.
@@ -16,12 +16,12 @@ from the server's ``/metrics`` (``workers.scheduler.lane_scraper``):
 A window runs over the last ``window_seconds`` but never across the last change of the limit, so
 a decision is judged on what followed it.
 
-The targets default to ``ratio × baseline``; the default ratio, 2.4, is how far the seed's
-per-user speed floor lets a user's step grow (``shared/seed/serving-models.txt``). The baseline
-is the real-time latency with no batch work, measured by the controller over the first
+The targets default to ``ratio × baseline``; the default ratio, 2.4, is how far a per-user speed
+floor of 40 tokens/s lets a user's step grow on the default step model (``docs/planning.md``). The
+baseline is the real-time latency with no batch work, measured by the controller over the first
 ``learn_seconds`` with the lane empty (only then: an empty lane later would measure the real-time
-load instead). Until TPOT is measured the step model's ``step_ms(1)`` stands in; until TTFT is,
-TTFT is not judged. ``LaneSettings`` may set baselines or targets outright.
+load instead). Until TPOT is measured the step model's ``step_ms(1)`` stands in; until TTFT is, TTFT
+is not judged. ``LaneSettings`` may set baselines or targets outright.
 
 The decision (``LaneController.update``) is TCP's: after ``learn_seconds`` the lane starts at one
 line and grows ×1.5 per interval while every reading is below ``(1 - hold_band) ×`` its target and
@@ -190,8 +190,8 @@ class LaneController:
         return None if base is None else s.ttft_ratio * base
 
     def model_limit(self, realtime_running: int) -> int:
-        """The step model's answer: the largest batch whose step stays within the TPOT target
-        (the seed's "largest batch at the floor"), minus the real-time sequences running."""
+        """The step model's answer: the largest batch whose step stays within the TPOT target (the
+        largest batch at the floor, ``docs/planning.md``), minus the real-time sequences running."""
         floor = 1.0 / self.tpot_target()
         total = largest_batch(self.step_model, floor, memory_limit=self.max_num_seqs)
         return max(0, total - realtime_running)

@@ -12,10 +12,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from offpeak.settings import ModelConfig, SchedulerSettings
+from workers.lane.controller import LaneController, LaneDecision, victims
+from workers.lane.scraper import PrometheusServer, ServerMetrics
+from workers.lane.steering import LaneSteering
 from workers.planner import StepModel
-from workers.runner.lane_steering import LaneSteering
-from workers.scheduler.lane import LaneController, LaneDecision, victims
-from workers.scheduler.lane_scraper import PrometheusServer, ServerMetrics
 
 log = logging.getLogger(__name__)
 

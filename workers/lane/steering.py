@@ -1,5 +1,5 @@
 """The batch lane's steering for one runner: every ``control_seconds`` the lane's controller
-(``workers.scheduler.lane``) reads the shared real-time server's latencies and sets how many
+(``workers.lane.controller``) reads the shared real-time server's latencies and sets how many
 batch lines may be in flight there; the runner makes that its engine's slots and hands back
 the running lines above it (``victims``)."""
 
@@ -11,10 +11,10 @@ from collections import deque
 from collections.abc import Callable, Mapping
 
 from offpeak.settings import ModelConfig, SchedulerSettings
+from workers.lane import lane_metrics as metrics
+from workers.lane.controller import LaneController, LaneDecision, victims
+from workers.lane.scraper import PrometheusServer, ServerMetrics, metrics_url
 from workers.planner import StepModel
-from workers.scheduler import scheduler_metrics as metrics
-from workers.scheduler.lane import LaneController, LaneDecision, victims
-from workers.scheduler.lane_scraper import PrometheusServer, ServerMetrics, metrics_url
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from api.ratelimit import MemoryLimiter, duration
+from api.rate_limits import MemoryLimiter, duration
 
 
 def checks(limiter: MemoryLimiter, key: str, limit: int, times: int) -> list[bool]:

@@ -1,4 +1,4 @@
-"""Release the engines of idle models: a check per engine worker, not per drain.
+"""The release check: each engine worker releases its idle models' engines, between drains.
 
 ``workers.engine.release`` frees an engine after a drain that found the gate closed long enough;
 but drains come only while the model has running batches, so an engine whose batches all ended
@@ -24,7 +24,9 @@ from workers.engine.release import ReleasableEngine
 log = logging.getLogger(__name__)
 
 
-def idle_reason(engine: Any, gate: Any, settings: Settings, at: float, idle: float) -> str | None:
+def release_reason(
+    engine: Any, gate: Any, settings: Settings, at: float, idle: float
+) -> str | None:
     """Why ``engine`` should be released now (``None``: it should not): at unix time ``at``,
     its runner having held no line for ``idle`` seconds. Only a loaded ``ReleasableEngine``
     with nothing in flight qualifies."""
@@ -39,7 +41,7 @@ def idle_reason(engine: Any, gate: Any, settings: Settings, at: float, idle: flo
     return None
 
 
-class IdleReleaser:
+class ReleaseCheck:
     """The check of the module docstring over ``runners()`` (model -> ``Runner``), every
     ``every`` seconds on a daemon thread (``start``), or once (``check``). ``busy(model)``
     is the lock a drain of the model holds while it runs."""
@@ -80,17 +82,17 @@ class IdleReleaser:
                 since = self._idle_since.setdefault(model, now)
                 runner.load.restart()  # the load as it is now, not as the last drain saw it
                 runner.load.observe(runner.clock.time())
-                reason = idle_reason(runner.engine, runner.gate, self.settings, at, now - since)
+                reason = release_reason(runner.engine, runner.gate, self.settings, at, now - since)
                 if reason is not None and runner.engine.release(reason):
                     released.append(model)
             except Exception:  # a failed look must not end the thread; the next one retries
-                log.exception("%s: idle-release check failed", model)
+                log.exception("%s: release check failed", model)
             finally:
                 lock.release()
         return released
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, daemon=True, name="idle-release")
+        self._thread = threading.Thread(target=self._run, daemon=True, name="release-check")
         self._thread.start()
 
     def _run(self) -> None:

@@ -1,5 +1,5 @@
 """The load gate: the pool's load signals (``workers.scheduler.signals``), read every
-``load_poll_seconds`` into the hysteresis gate (``workers.scheduler.hysteresis``) and published
+``load_poll_seconds`` into the hysteresis gate (``workers.scheduler.gate``) and published
 for the dashboard and the other workers."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from offpeak.settings import SchedulerSettings
 from storage.errors import TRANSIENT_DB_ERRORS
 from workers.scheduler import scheduler_metrics as metrics
 from workers.scheduler.clock import Clock, WallClock
-from workers.scheduler.hysteresis import Gate
+from workers.scheduler.gate import Gate
 from workers.scheduler.signals import BackgroundMonitor, LoadMonitor, build_signals
 from workers.scheduler.store import WorkStore
 

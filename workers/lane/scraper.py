@@ -1,6 +1,6 @@
 """The batch lane's view of the real-time server: its ``/metrics`` scraped on a thread of its own.
 
-The controller (``workers.scheduler.lane``) is pure; this is the I/O that feeds it a
+The controller (``workers.lane.controller``) is pure; this is the I/O that feeds it a
 ``ServerSnapshot`` every control interval without ever stalling the runner's loop.
 """
 

@@ -1,7 +1,8 @@
-"""Queued task messages (``QueuedMessage``): at most one recorded per key, so the tasks that
-re-send work (the sweep, a finalize waiting for its lines, every validated batch) do not pile up
-duplicates in the broker. Kept in the database because the broker may be Redis or the embedded
-transport, and only the database is shared by every process on both.
+"""Task messages sent and not yet started (``TaskMessage``, the ``queued_messages`` table): at
+most one recorded per key, so the tasks that re-send work (the sweep, a finalize waiting for its
+lines, every validated batch) do not pile up duplicates in the broker. Kept in the database
+because the broker may be Redis or the embedded transport, and only the database is shared by
+every process on both.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from sqlalchemy import ColumnElement, case, delete
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from storage.models import QueuedMessage
+from storage.models import TaskMessage
 
 
 def _insert(session: Session) -> Any:
@@ -47,7 +48,7 @@ def reserve(
     """
     if not keys:
         return []
-    table = QueuedMessage.__table__
+    table = TaskMessage.__table__
     statement = _insert(session)(table)
     new = statement.excluded
     lost = table.c.resend_at <= new.sent_at
@@ -90,8 +91,8 @@ def release(session: Session, keys: Sequence[str], mark: str) -> int:
     if not keys:
         return 0
     result = session.execute(
-        delete(QueuedMessage)
-        .where(QueuedMessage.key.in_(list(keys)), QueuedMessage.mark == mark)
+        delete(TaskMessage)
+        .where(TaskMessage.key.in_(list(keys)), TaskMessage.mark == mark)
         .execution_options(synchronize_session=False)
     )
     return int(getattr(result, "rowcount", 0) or 0)
@@ -102,8 +103,8 @@ def purge(session: Session, before: float) -> int:
     work they were for has ended. A lost record allows a send anyway; this only keeps the table
     small. Returns the rows deleted."""
     result = session.execute(
-        delete(QueuedMessage)
-        .where(QueuedMessage.resend_at < before)
+        delete(TaskMessage)
+        .where(TaskMessage.resend_at < before)
         .execution_options(synchronize_session=False)
     )
     return int(getattr(result, "rowcount", 0) or 0)

@@ -1,0 +1,1 @@
+"""The batch lane: batch lines run through a shared real-time server, inside its latency targets."""
