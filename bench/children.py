@@ -21,24 +21,29 @@ from types import FrameType
 
 import psutil
 
-from offpeak.process_tree import die_with_parent, spawned_children_die_with_this_process
+from offpeak.process_tree import (
+    adopt_orphans,
+    die_with_parent,
+    spawned_children_die_with_this_process,
+)
 
 #: Seconds a child gets after SIGTERM before SIGKILL when the benchmark ends.
 GRACE_SECONDS = 3.0
+#: Rounds of ``end_tree``: a child being ended may start one more (vLLM's engine-core starting
+#: its model runner), which a round after it finds.
+ROUNDS = 3
 
 
 def end_tree(spare: frozenset[int] = frozenset(), grace: float = GRACE_SECONDS) -> None:
     """End every descendant of this process but those of ``spare`` (pids) and theirs, taken as
     a whole tree first (a model runner stays known when its engine-core dies before it):
-    SIGTERM, SIGKILL after ``grace`` seconds, then wait until they are gone. Never raises."""
-    with contextlib.suppress(psutil.NoSuchProcess):
-        procs = psutil.Process().children(recursive=True)
-        spared = set(spare)
-        for proc in procs:
-            if proc.pid in spare:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    spared |= {child.pid for child in proc.children(recursive=True)}
-        procs = [proc for proc in procs if proc.pid not in spared]
+    SIGTERM, SIGKILL after ``grace`` seconds, then wait until they are gone. Orphans a dying
+    child left (adopted: ``own_children``) are ended in the next round, up to ``ROUNDS``.
+    Never raises."""
+    for _ in range(ROUNDS):
+        procs = _descendants(spare)
+        if not procs:
+            return
         for proc in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.terminate()
@@ -49,11 +54,37 @@ def end_tree(spare: frozenset[int] = frozenset(), grace: float = GRACE_SECONDS) 
         psutil.wait_procs(left, timeout=10)
 
 
+def _descendants(spare: frozenset[int]) -> list[psutil.Process]:
+    """This process's live descendants, but ``spare`` and theirs."""
+    try:
+        procs = psutil.Process().children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    spared = set(spare)
+    for proc in procs:
+        if proc.pid in spare:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                spared |= {child.pid for child in proc.children(recursive=True)}
+    return [proc for proc in procs if proc.pid not in spared and _alive(proc)]
+
+
+def _alive(proc: psutil.Process) -> bool:
+    """Running, not a zombie an adopted orphan left until it is reaped."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def own_children() -> Callable[[], None]:
     """From now on, the children this process starts end with the benchmark: on SIGTERM or
     SIGINT (``end_tree``, then ``SystemExit(128 + signal)``), or by the returned function, to
     call when the benchmark ends, an error included (it also puts the signal handlers back).
-    Children that ran before the call are left alone. Call from the main thread."""
+    Children that ran before the call are left alone. Call from the main thread.
+
+    This process adopts the orphans of its descendants (``adopt_orphans``), so a child that a
+    dying child started is still found and ended."""
+    adopt_orphans()
     spare = frozenset(child.pid for child in psutil.Process().children(recursive=True))
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -4,6 +4,7 @@
 - ``die_with_parent``: a ``Popen(preexec_fn=...)`` child gets SIGKILL when its parent dies.
 - ``spawned_children_die_with_this_process``: the same for ``multiprocessing`` *spawn*
   children (vLLM's engine-core), SIGKILL of this process included.
+- ``adopt_orphans``: descendants whose parent dies stay this process's descendants.
 - ``kill_children``: end every descendant of a process (a worker's last act before it exits).
 - ``kill_group``: SIGKILL what is left of a child's process group.
 
@@ -22,6 +23,8 @@ import sys
 
 #: prctl(2) option: the signal a process gets when the thread that started it ends.
 _PR_SET_PDEATHSIG = 1
+#: prctl(2) option: orphaned descendants are re-parented to this process, not to init.
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKILL) -> None:
@@ -41,6 +44,19 @@ def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKIL
         raise OSError(errno, os.strerror(errno))
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(1)
+
+
+def adopt_orphans() -> None:
+    """Make this process the parent of its descendants whose parent dies (Linux
+    ``prctl(PR_SET_CHILD_SUBREAPER)``; a no-op elsewhere), so they stay its descendants: a
+    child started by a process that is being ended (vLLM's engine-core starting its model
+    runner) is still found and ended with the rest. Raises ``OSError`` when prctl fails."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
 
 
 # Run first by a spawned child's interpreter: the same prctl, then the parent check. Inline, with

@@ -131,7 +131,8 @@ def test_a_batch_behind_a_large_queue_at_a_tiny_rate_gets_the_warning(
     assert board.status_code == 200, board.text
     shown = {b["id"]: b for b in board.json()["batches"]}
     assert shown[late]["completion_warning"]["code"] == "may_miss_completion_window"
-    assert shown[late]["estimated_completion_at"] == extra["estimated_completion_at"]
+    # Each read estimates from its own clock: the two reads may be a second or two apart.
+    assert abs(shown[late]["estimated_completion_at"] - extra["estimated_completion_at"]) <= 5
     monkeypatch.setattr(cli, "_client", lambda: mine.sdk)
     status = CliRunner().invoke(cli.app, ["status", late], env={"COLUMNS": "200"})
     assert status.exit_code == 0, status.output
