@@ -5,7 +5,6 @@ minute, the accepted ones all run and a refused one leaves nothing behind; a ten
 
 from __future__ import annotations
 
-import io
 import secrets
 import time
 from collections.abc import Iterator
@@ -19,23 +18,17 @@ from openai import OpenAI
 from sqlalchemy import select
 
 from api.app import create_app
-from api.schemas.batches import CreateBatch
-from api.services import batches as batches_service
-from api.services import files as files_service
 from api.services import keys
 from api.services import tenants as tenants_service
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import ModelConfig, Settings
 from offpeak.tenant_limits import UNLIMITED, LimitSettings
-from storage.blobs import get_blob_store
 from storage.db import session_scope
 from storage.models import Batch, EngineChunk, RequestLine
-from storage.repositories import batches as batches_repo
-from tests.support.batches import chat_line, line, wait_for_end
+from tests.support.batches import chat_line, line, validate, wait_for_end
 from tests.support.database import LIMITS_OFF, fresh_database, new_key, settings_from
 from tests.support.processes import instant_stack_env, running
 from tests.support.servers import free_port
-from workers.validation import run_validation
 
 CREATES = 40
 DEFAULTS = LimitSettings()
@@ -159,35 +152,14 @@ def test_a_tenant_set_to_unlimited_creates_past_the_default(settings: Settings) 
 
 def _validated(settings: Settings, key: str, model: str, asked: int) -> list[dict] | None:
     """Validate a batch of one line of ``model`` asking ``asked`` output tokens (in-process,
-    as ``test_quotas`` does); its errors (``None``: it passed)."""
+    as ``test_quotas`` does) for ``key``'s tenant; its errors (``None``: it passed)."""
     with session_scope(settings.resolved_database_url) as session:
         tenant = keys.tenant_for_key(session, key)
         assert tenant is not None
-        upload = files_service.upload(
-            session,
-            get_blob_store(settings.resolved_blob_url),
-            settings,
-            tenant_id=tenant.id,
-            stream=io.BytesIO(line("r", model=model, body_max_tokens=asked) + b"\n"),
-            filename="in.jsonl",
-            purpose="batch",
-            expires_after_seconds=None,
-        )
-        batch = batches_service.create(
-            session,
-            settings,
-            tenant.id,
-            CreateBatch(
-                input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-            ),
-        )
-        session.info.pop("after_commit", None)
-        batch_id = batch.id
-    run_validation(settings, get_blob_store(settings.resolved_blob_url), batch_id)
-    with session_scope(settings.resolved_database_url) as session:
-        found = batches_repo.get_any(session, batch_id)
-        assert found is not None
-        return found.errors
+        name = tenant.name
+    data = line("r", model=model, body_max_tokens=asked) + b"\n"
+    batch, _ = validate(settings, data, tenant_name=name)
+    return batch.errors
 
 
 def test_the_enqueued_token_default_is_a_day_of_the_engines_measured_output(
