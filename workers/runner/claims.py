@@ -98,6 +98,10 @@ class ClaimPipeline:
     ) -> Claimed | None:
         """A claim for ``slots`` sequences, prepared for ``engine`` (``urgent`` batches' lines
         first), when one is due and done; ``None`` while it is made on the claim thread."""
+        # A claim made ahead is queued once it is done, whatever is held by then: its lines are
+        # leased to this worker, so no other claim (nor the look for new batches) can take them.
+        if self.ahead is not None and (done := self.ahead.take(wait=False)) is not None:
+            return self._taken(at, *done)
         if at < self.next_at:
             return None
         limit = self.limit(slots)
@@ -109,7 +113,10 @@ class ClaimPipeline:
             limit = min(limit, slots)
         if not limit or (done := self._claim_or_ahead(at, limit, engine, set(urgent))) is None:
             return None
-        claimed, asked = done
+        return self._taken(at, *done)
+
+    def _taken(self, at: float, claimed: Claimed, asked: int) -> Claimed | None:
+        """``claimed`` (asked for ``asked`` lines) when it holds any."""
         if len(claimed.rows) < asked:
             # The model has no more runnable lines right now: look again later.
             self.next_at = at + self.settings.flush_seconds

@@ -43,6 +43,11 @@ def test_a_small_batch_finishes_early_behind_a_big_one(
     other = OpenAI(base_url=f"{live.base_url}/v1", api_key=new_key(live_settings), max_retries=2)
     big_ids = [f"big-{i}" for i in range(BIG)]
     small_ids = [f"small-{i}" for i in range(SMALL)]
+    # A drain whose last step finished every line it ran: the next drain's queue is then sized
+    # for an engine that empties every step (a chunk deep), so the small batch arrives while a
+    # big claim is in flight and finds the queue full.
+    warm = submit(live_sdk, [chat_line(f"warm-{i}", "Hi", max_tokens=1) for i in range(4)])
+    wait_for_end(live_sdk, warm.id, live)
     # Long enough (8 tokens a line) that the big batch is still running when the small one,
     # submitted once the big one's first lines run, has been validated and claimed.
     big = submit(live_sdk, [chat_line(c, f"Say {i}.", max_tokens=8) for i, c in enumerate(big_ids)])
