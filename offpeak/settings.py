@@ -340,6 +340,14 @@ class Settings(BaseSettings):
         default=10.0,
         description="Seconds between sweeps (expiry, lost messages) run by the control worker.",
     )
+    vacuum: Literal["when_autovacuum_off", "off"] = Field(
+        default="when_autovacuum_off",
+        description=(
+            "The sweep vacuums PostgreSQL tables by the server's autovacuum rule when the "
+            "server's autovacuum is off (``workers.vacuum``): without it a long drain slows "
+            "on dead rows. ``off``: leave vacuuming to the server's operator."
+        ),
+    )
     worker_alive_seconds: float = Field(
         default=60.0,
         gt=0,

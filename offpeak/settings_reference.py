@@ -81,6 +81,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "engine_failure_window_seconds",
             "flush_seconds",
             "sweep_seconds",
+            "vacuum",
             "worker_alive_seconds",
             "engine_load_grace_seconds",
         ),

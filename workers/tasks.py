@@ -15,7 +15,7 @@ from storage.blobs import StoreUnavailable, get_blob_store
 from storage.db import session_scope
 from storage.repositories import batches as batches_repo
 from storage.repositories import task_messages as task_messages_repo
-from workers import billing, engine_worker, retention, webhook_delivery
+from workers import billing, engine_worker, retention, vacuum, webhook_delivery
 from workers import worker_metrics as metrics
 from workers.estimate import estimate_batch
 from workers.finalize import Step, finalize
@@ -89,7 +89,8 @@ def deliver_webhooks(mark: str | None = None) -> None:
 @app.task(name=celery_app.SWEEP_TASK)
 def sweep() -> None:
     """Periodic repair (run by the control worker's beat): expire batches past their window,
-    and re-send work whose message may have been lost (broker restart, killed worker)."""
+    re-send work whose message may have been lost (broker restart, killed worker), and, last
+    (it can take seconds), vacuum where the server's autovacuum is off (``workers.vacuum``)."""
     settings = get_settings()
     at = int(time.time())
     with session_scope(settings.resolved_database_url) as session:
@@ -114,3 +115,4 @@ def sweep() -> None:
         task_messages.send_deliver_webhooks(settings)
     retention.sweep_if_due(settings)
     metrics.sample_load(settings)
+    vacuum.sweep(settings)
