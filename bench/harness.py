@@ -293,6 +293,17 @@ def download(client: OpenAI, file_id: str, path: Path) -> int:
     return size
 
 
+def download_lines(client: OpenAI, file_id: str) -> tuple[int, int]:
+    """Stream a file's content, counting its bytes and lines as they arrive without keeping
+    them; returns ``(bytes, lines)``."""
+    size = lines = 0
+    with client.files.with_streaming_response.content(file_id) as response:
+        for chunk in response.iter_bytes(1 << 20):
+            size += len(chunk)
+            lines += chunk.count(b"\n")
+    return size, lines
+
+
 def warm_up(service: Service, model: str, folder: Path, lines: int = 4) -> float:
     """Run a tiny batch through the whole path, proving the workers consume their queues (and
     warming the engine); returns its seconds. Raises ``RuntimeError`` when it does not complete."""

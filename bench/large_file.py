@@ -3,8 +3,11 @@ instant engine (no model), once per size, each on a fresh scratch service whose
 ``max_file_bytes`` and ``max_requests_per_batch`` are raised to admit it. Stages, each timed on
 its own: the upload, validation (create → ``in_progress``), the drain (→ ``finalizing``),
 finalize (→ ``completed``), paging every result through ``GET /v1/batches/{id}/results`` and
-downloading the output file. The peak RSS of each process (API, control worker, engine worker,
-and this benchmark's own, the client) is sampled over all of them.
+downloading the output file (its lines counted as they arrive, not written to this machine's
+disk: a fresh gigabyte written to the page cache costs more per byte than a few megabytes, which
+would time the client's disk, not the service; ``docs/benchmarks.md``). The peak RSS of each
+process (API, control worker, engine worker, and this benchmark's own, the client) is sampled
+over all of them.
 
 Targets against the smallest size, measured in the same run: every process's peak RSS at most
 ``TARGET_RSS_RATIO`` times as large (memory flat) and every stage's seconds per line at most
@@ -87,17 +90,17 @@ def run_file(service: Service, path: Path, lines: int, folder: Path) -> dict[str
         paged_path = folder / "paged.jsonl"
         paged = _page_all(service, batch.id, paged_path)
         marks["page"] = time.perf_counter()
-        output = folder / "output.jsonl"
-        out_bytes = harness.download(client, batch.output_file_id, output)
+        out_bytes, out_lines = harness.download_lines(client, batch.output_file_id)
         marks["download"] = time.perf_counter()
     finally:
         for sampler in samplers.values():
             sampler.__exit__(None, None, None)
     counts = batch.request_counts
-    if counts is None or counts.completed != lines or paged != lines:
-        raise RuntimeError(f"{counts} completed, {paged} paged, of {lines} lines")
+    if counts is None or counts.completed != lines or paged != lines or out_lines != lines:
+        raise RuntimeError(
+            f"{counts} completed, {paged} paged, {out_lines} downloaded, of {lines} lines"
+        )
     paged_path.unlink()
-    output.unlink()
     seconds, before = {}, started
     for stage in STAGES:
         seconds[stage] = marks[stage] - before
