@@ -30,7 +30,7 @@ from storage.models import RequestLine
 from storage.repositories import requests as requests_repo
 from storage.repositories import shared_claims
 from storage.repositories.shared_claims import Shares
-from tests.support.database import fresh_database
+from tests.support.database import fresh_database, request_row
 
 PENDING = 30_000
 
@@ -45,23 +45,6 @@ def _batch(session: Any, batch_id: str, status: str) -> None:
         ),
         {"id": batch_id, "status": status},
     )
-
-
-def _row(batch_id: str, line: int, deadline: int) -> dict[str, Any]:
-    """A pending request row of model ``m``, as the fixture inserts them."""
-    return {
-        "batch_id": batch_id,
-        "line": line,
-        "custom_id": f"r{line}",
-        "model": "m",
-        "deadline": deadline,
-        "line_json": "{}",
-        "status": LineStatus.PENDING,
-        "attempts": 0,
-        "prompt_tokens": 0,
-        "cached_tokens": 0,
-        "completion_tokens": 0,
-    }
 
 
 @pytest.fixture(scope="module", params=["analyzed", "stale"])
@@ -79,7 +62,7 @@ def url(request: pytest.FixtureRequest) -> Iterator[str]:
                 session.execute(
                     RequestLine.__table__.insert(),
                     [
-                        _row("batch_old", i, now - 86_400) | {"status": LineStatus.SUCCEEDED}
+                        request_row("batch_old", i, now - 86_400) | {"status": LineStatus.SUCCEEDED}
                         for i in range(200)
                     ],
                 )
@@ -88,7 +71,7 @@ def url(request: pytest.FixtureRequest) -> Iterator[str]:
             _batch(session, "batch_run", BatchStatus.IN_PROGRESS)
             _batch(session, "batch_gone", BatchStatus.CANCELLING)
             # Later lines are due sooner: deadline order is not id order.
-            rows = [_row("batch_run", i, now + 86_400 - i // 1000) for i in range(PENDING)]
+            rows = [request_row("batch_run", i, now + 86_400 - i // 1000) for i in range(PENDING)]
             rows += [
                 r | {"batch_id": "batch_gone", "line": r["line"], "deadline": now + 10}
                 for r in rows[:100]

@@ -19,6 +19,7 @@ from offpeak.settings import Settings
 from offpeak.statuses import LineStatus
 from storage.db import get_engine, session_scope
 from storage.models import RequestLine
+from tests.support.database import request_row
 from tests.support.servers import PostgresServer, free_port
 from workers import vacuum
 
@@ -61,22 +62,7 @@ def url(own_postgres: PostgresServer) -> Iterator[str]:
         session.execute(text("SET session_replication_role = replica"))  # no tenant, no file
         session.execute(
             RequestLine.__table__.insert(),
-            [
-                {
-                    "batch_id": "batch_v",
-                    "line": i,
-                    "custom_id": f"r{i}",
-                    "model": "m",
-                    "deadline": 0,
-                    "line_json": "{}",
-                    "status": LineStatus.PENDING,
-                    "attempts": 0,
-                    "prompt_tokens": 0,
-                    "cached_tokens": 0,
-                    "completion_tokens": 0,
-                }
-                for i in range(LINES)
-            ],
+            [request_row("batch_v", i, 0) for i in range(LINES)],
         )
     for status in (LineStatus.RUNNING, LineStatus.SUCCEEDED):
         with session_scope(url) as session:

@@ -1,5 +1,5 @@
 """Throwaway databases on the machine's PostgreSQL (``OFFPEAK_TEST_PG``), settings read from a
-test environment, and API keys of new tenants."""
+test environment, API keys of new tenants, and request rows to insert directly."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import os
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from offpeak.settings import Settings
+from offpeak.statuses import LineStatus
 from offpeak.tenant_limits import LIMIT_NAMES, UNLIMITED_WORD
 
 #: The server the throwaway databases are made on, as its superuser.
@@ -62,3 +64,21 @@ def new_key(settings: Settings, tenant: str | None = None) -> str:
 
     with session_scope(settings.resolved_database_url) as session:
         return keys.create_key(session, tenant or f"tenant-{secrets.token_hex(4)}")
+
+
+def request_row(batch_id: str, line: int, deadline: int, **changes: Any) -> dict[str, Any]:
+    """A pending ``requests`` row of model ``m`` (``custom_id`` ``r<line>``), for an insert of
+    many rows at once; ``changes`` replace its columns."""
+    return {
+        "batch_id": batch_id,
+        "line": line,
+        "custom_id": f"r{line}",
+        "model": "m",
+        "deadline": deadline,
+        "line_json": "{}",
+        "status": LineStatus.PENDING,
+        "attempts": 0,
+        "prompt_tokens": 0,
+        "cached_tokens": 0,
+        "completion_tokens": 0,
+    } | changes

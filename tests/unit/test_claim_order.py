@@ -13,12 +13,13 @@ import pytest
 from sqlalchemy import text
 
 import migrations
-from offpeak.statuses import BatchStatus, LineStatus
+from offpeak.statuses import BatchStatus
 from storage.db import get_engine, session_scope
 from storage.models import RequestLine
 from storage.repositories import requests as requests_repo
 from storage.repositories import shared_claims
 from storage.repositories.shared_claims import Shares
+from tests.support.database import request_row
 
 NOW = int(time.time())
 
@@ -38,20 +39,7 @@ def _batch(session: Any, batch_id: str, expires_at: int) -> None:
 def _rows(batch_id: str, groups: list[int], deadline: int) -> list[dict[str, Any]]:
     """Pending rows of model ``m``, line ``i`` in prefix group ``groups[i]``."""
     return [
-        {
-            "batch_id": batch_id,
-            "line": i + 1,
-            "custom_id": f"{batch_id}-{i}",
-            "model": "m",
-            "deadline": deadline,
-            "line_json": "{}",
-            "status": LineStatus.PENDING,
-            "attempts": 0,
-            "prompt_tokens": 0,
-            "cached_tokens": 0,
-            "completion_tokens": 0,
-            "prefix_group": group,
-        }  # fmt: skip
+        request_row(batch_id, i + 1, deadline, custom_id=f"{batch_id}-{i}", prefix_group=group)
         for i, group in enumerate(groups)
     ]
 
