@@ -44,12 +44,16 @@ class Shares:
     """What one claim takes, in this order: lines of the ``urgent`` batches (earliest deadline
     first), up to ``fresh`` lines of each running batch the share has not seen yet (not in
     ``known``), up to ``quotas[batch_id]`` lines of each batch of ``quotas`` (in their order),
-    then any runnable lines, earliest deadline first, up to the claim's limit."""
+    then, with ``fill``, lines whose lease lapsed and any runnable lines, earliest deadline
+    first, up to the claim's limit. Without ``fill`` only those batches' pending lines are
+    taken, each batch from its own pending lines (a claim of a few batches beside a large one
+    never walks the large one's)."""
 
     urgent: tuple[str, ...] = ()
     quotas: tuple[tuple[str, int], ...] = ()
     known: tuple[str, ...] = ()
     fresh: int = 0
+    fill: bool = True
 
 
 @dataclass
@@ -97,16 +101,20 @@ def _per_batch(source: str, quota: str) -> str:
 
 
 @cache
-def shared_claim_statement(urgent: bool, quotas: bool) -> str:
+def shared_claim_statement(urgent: bool, quotas: bool, fill: bool = True) -> str:
     """The claim on PostgreSQL, with or without its ``urgent`` and ``quotas`` arms (an empty
-    list would still walk the model's claim index). The arms run in order under one ``LIMIT``,
-    each only when the ones before left room; the last one skips the rows the others took
-    (``FOR UPDATE SKIP LOCKED`` does not skip rows of its own transaction)."""
-    arms = [
-        "SELECT id FROM (SELECT id FROM requests WHERE model = %(model)s AND status = 'running' "
-        f"AND deadline > %(after)s AND batch_id = ANY({_RUNNING}) AND lease_expires_at < %(at)s "
-        "ORDER BY deadline, prefix_group, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED) AS lapsed"
-    ]
+    list would still walk the model's claim index) and its ``fill`` arms (lapsed leases, then
+    any runnable line: walks of the model's claim index). The arms run in order under one
+    ``LIMIT``, each only when the ones before left room; the last one skips the rows the others
+    took (``FOR UPDATE SKIP LOCKED`` does not skip rows of its own transaction)."""
+    arms = []
+    if fill:
+        arms.append(
+            "SELECT id FROM (SELECT id FROM requests WHERE model = %(model)s "
+            f"AND status = 'running' AND deadline > %(after)s AND batch_id = ANY({_RUNNING}) "
+            "AND lease_expires_at < %(at)s ORDER BY deadline, prefix_group, id LIMIT %(limit)s "
+            "FOR UPDATE SKIP LOCKED) AS lapsed"
+        )
     if urgent:
         source = (
             "(SELECT batch_id FROM unnest(%(urgent)s::varchar[]) AS u(batch_id) "
@@ -132,11 +140,12 @@ def shared_claim_statement(urgent: bool, quotas: bool) -> str:
         "AND NOT (id = ANY(ARRAY(SELECT id FROM picked))) "
         "ORDER BY deadline, prefix_group, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED) AS rest"
     )
+    taken = f"SELECT id FROM picked UNION ALL {rest}" if fill else "SELECT id FROM picked"
     return (
         f"WITH picked AS ({picked}) "
         "UPDATE requests SET status = 'running', lease_owner = %(owner)s, "
         "lease_expires_at = %(lease_until)s, attempts = attempts + 1 "
-        f"WHERE id = ANY(ARRAY(SELECT id FROM picked UNION ALL {rest} LIMIT %(limit)s)) "
+        f"WHERE id = ANY(ARRAY({taken} LIMIT %(limit)s)) "
         "RETURNING id, batch_id, custom_id, line_json, attempts, prefix_group"
     )
 
@@ -168,10 +177,11 @@ def claim_shared(
         "quotas": [quota for _, quota in shares.quotas],
         "known": [*shares.known, *shares.urgent],
         "fresh": shares.fresh,
+        "fill": shares.fill,
     }
     if is_postgres(session):
         raw = driver_connection(session)
-        statement = shared_claim_statement(bool(shares.urgent), bool(shares.quotas))
+        statement = shared_claim_statement(bool(shares.urgent), bool(shares.quotas), shares.fill)
         with raw.pipeline(), raw.cursor() as cursor, raw.cursor() as listing:
             # Before the planner settings: its generic plan is as good as any and is reused.
             listing.execute(WAITING_BATCHES, params, prepare=True)
@@ -223,7 +233,7 @@ def _claim_elsewhere(session: Session, params: dict[str, Any]) -> list[ClaimedRe
         RequestLine.lease_expires_at < params["at"],
     )
     limit = params["limit"]
-    rows = _lease(session, params, limit, (*live, *lapsed), order=EDF)
+    rows = _lease(session, params, limit, (*live, *lapsed), order=EDF) if params["fill"] else []
     per_batch = [(batch_id, limit) for batch_id in params["urgent"]]
     newcomers = session.scalars(
         running.where(Batch.model == params["model"], Batch.id.not_in(params["known"]))
@@ -238,7 +248,7 @@ def _claim_elsewhere(session: Session, params: dict[str, Any]) -> list[ClaimedRe
         take = min(quota, limit - len(rows))
         where = (*live, pending, RequestLine.batch_id == batch_id)
         rows += _lease(session, params, take, where, order=EDF)
-    if len(rows) < limit:
+    if params["fill"] and len(rows) < limit:
         rows += _lease(session, params, limit - len(rows), (*live, pending), order=EDF)
     return rows
 

@@ -183,6 +183,21 @@ def test_a_batch_share_is_read_from_its_pending_lines(url: str) -> None:
         assert "ix_requests_pending" in locked, locked
 
 
+def test_a_claim_of_named_batches_alone_reads_only_their_pending_lines(url: str) -> None:
+    """Without ``fill`` (a full queue's look for new batches) a claim takes each named batch's
+    quota from its pending lines and nothing more: no walk of the model's claim index, which
+    passes every pending line of every batch due sooner (a large one held elsewhere)."""
+    shares = Shares(quotas=(("batch_run", 10),), known=("batch_run",), fill=False)
+    claimed, statements = _captured(url, lambda session, now: shared_claims.claim_shared(
+        session, model="m", limit=300, owner="w1", lease_until=now + 120, at=now, shares=shares
+    ))  # fmt: skip
+    assert len(claimed.rows) == 10 and {r.batch_id for r in claimed.rows} == {"batch_run"}
+    for nodes in _explained(url, statements):
+        indexes = {n.get("Index Name") for n in nodes} - {None}
+        assert "ix_requests_claim" not in indexes, indexes
+        assert "ix_requests_pending" in indexes, indexes
+
+
 #: The indexes that hold only pending lines in claim order, or key them by status first: a
 #: claim's scan of them never passes a line claimed before.
 ON_STATUS = {"ix_requests_pending", "ix_requests_claim"}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from offpeak.settings import Settings
 from storage.errors import TRANSIENT_DB_ERRORS
 from storage.repositories.requests import ClaimedRequest
-from storage.repositories.shared_claims import SharedClaim
+from storage.repositories.shared_claims import SharedClaim, Shares
 from workers import worker_metrics
 from workers.engine.base import Engine, EngineFault, LoraSpec
 from workers.runner.admission import PreparedChunk, prepare_chunk
@@ -185,7 +185,8 @@ class ClaimPipeline:
         ``flush_seconds`` this looks for batches with lines left and none held
         (``FairShare.newcomers``) and claims their fresh share (``FairShare.fresh``).
         ``HeldLines.queue`` puts them ahead of the queued lines, so a small batch waits for a
-        free slot, not for the queue to drain."""
+        free slot, not for the queue to drain. Only those batches' pending lines are read
+        (``Shares.fill`` off): a batch whose lines another worker holds costs nothing."""
         if at < self.look_at or not slots or not self.fair.seen or self.scope() is not None:
             return None
         self.look_at = at + self.settings.flush_seconds
@@ -195,13 +196,20 @@ class ClaimPipeline:
             if not new:
                 return None
             fresh = FairShare.fresh(min(slots, self.settings.chunk_size), waiting)
+            shares = Shares(
+                quotas=tuple((batch_id, fresh) for batch_id in new),
+                known=tuple(b.batch_id for b in waiting),
+                fill=False,
+            )
             lease_until = at + self.settings.lease_seconds
-            rows = self.store.claim(self.model, fresh * len(new), self.owner, at, lease_until, new)
+            claimed = self.store.claim_shared(
+                self.model, fresh * len(new), self.owner, at, lease_until, shares
+            )
         except TRANSIENT_DB_ERRORS as exc:
             log.warning("look for new batches failed, retrying: %s", exc)
             return None
-        self.fair.settle(SharedClaim(rows, waiting))
-        return self._prepare(rows, engine, urgent) if rows else None
+        self.fair.settle(claimed)
+        return self._prepare(claimed.rows, engine, urgent) if claimed.rows else None
 
     def _claim_and_prepare(
         self, at: float, limit: int, engine: Engine, urgent: set[str]

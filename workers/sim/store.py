@@ -153,7 +153,7 @@ class MemoryStore:
         for batch_id, quota in per_batch:
             if (batch := by_id.get(batch_id)) is not None:
                 self._take(batch, min(quota, limit - len(claimed)), claimed)
-        for batch in runnable:
+        for batch in runnable if shares.fill else ():
             self._take(batch, limit - len(claimed), claimed)
         return SharedClaim(claimed, self.waiting(model))
 
