@@ -84,6 +84,7 @@ def test_a_claim_done_while_the_queue_filled_is_queued_at_once() -> None:
     first = pipeline.take(clock.time(), SLOTS, engine, ())
     assert first is not None and len(first.rows) == SLOTS
     queue(first)
+    taken = list(first.rows)
     # The rest of the queue is claimed ahead, before the small batch arrives; it is slow.
     pipeline.overlap_step(clock.time(), True, SLOTS, engine, ())
     assert store.holding.wait(10)
@@ -92,11 +93,15 @@ def test_a_claim_done_while_the_queue_filled_is_queued_at_once() -> None:
     # A second claim starts beside the slow one and takes the small batch's lines.
     assert pipeline.take(clock.time(), SLOTS, engine, ()) is None
     store.go.set()
-    queue(take_within(pipeline, clock, engine))
+    rest = take_within(pipeline, clock, engine)
+    taken += rest.rows
+    queue(rest)
     assert len(held) == 1024 and pipeline.limit(SLOTS) == 0, "the queue is full"
     small_id = next(b.id for b in store.batches.values() if b.tenant == "small")
     later = take_within(pipeline, clock, engine)
     assert sum(row.batch_id == small_id for row in later.rows) == 5
+    taken += later.rows
+    assert len({row.id for row in taken}) == len(taken) == 1024 + len(later.rows), "a line twice"
     queue(later)
     # Queued ahead of the big batch's queue: the small batch runs in the next free slots.
     assert [h.row.batch_id for h in list(held.queued)[:5]] == [small_id] * 5
