@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-from openai import APIError, OpenAI
-from openai.types import Batch
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -17,6 +15,12 @@ from rich.table import Table
 from offpeak.billing import format_usd
 from offpeak.cli.tables import print_whole
 from offpeak.statuses import BatchStatus
+
+if TYPE_CHECKING:
+    # Every ``offpeak`` process imports this module (``offpeak tenants`` formats with it); the
+    # SDK is imported only by the commands that talk to a server.
+    from openai import OpenAI
+    from openai.types import Batch
 
 
 def first_url(path: Path) -> str:
@@ -61,6 +65,8 @@ def health(client: OpenAI) -> dict[str, Any] | None:
     base = client.base_url
     root = base.path.rstrip("/").removesuffix("/v1")
     url = str(base.copy_with(path=f"{root}/healthz", query=None))
+    from openai import APIError
+
     try:
         answer = client.get(url, cast_to=object, options={"max_retries": 0, "timeout": 5.0})
     except (APIError, OSError):

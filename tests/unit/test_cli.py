@@ -1,6 +1,10 @@
-"""The CLI's reading of an input file: the endpoint of any first line."""
+"""The CLI's reading of an input file: the endpoint of any first line; what every ``offpeak``
+process imports before its command runs."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 
 def test_submit_reads_the_endpoint_of_any_first_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -14,3 +18,11 @@ def test_submit_reads_the_endpoint_of_any_first_line(tmp_path) -> None:  # type:
         assert first_url(path) == "/v1/chat/completions"
     path.write_bytes(b'\xef\xbb\xbf{"url": "/v1/completions"}\n')
     assert first_url(path) == "/v1/completions"
+
+
+def test_the_cli_imports_the_openai_sdk_only_for_a_command_that_needs_it() -> None:
+    """Every ``offpeak`` process (the API, each worker, ``migrate``) imports the CLI; the SDK, a
+    large import, belongs to the client commands alone."""
+    code = "import sys, offpeak.cli; print('openai' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
