@@ -144,7 +144,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A run of unit tests alone that imported vLLM or torch fails: the tier stays seconds."""
+    """A run of unit tests alone that imported vLLM or torch fails: the tier stays seconds. The
+    throwaway databases' migrated template (``tests/support/database.py``) goes."""
+    from tests.support.database import drop_migrated_template
+
+    drop_migrated_template()
     items = getattr(session, "items", [])
     loaded = [m for m in ENGINE_MODULES if m in sys.modules]
     if items and loaded and all(tier(item) == "unit" for item in items):

@@ -22,24 +22,69 @@ LIMITS_OFF = {f"OFFPEAK_LIMITS__{name.upper()}": UNLIMITED_WORD for name in LIMI
 
 @contextmanager
 def fresh_database(name: str) -> Iterator[str]:
-    """A new PostgreSQL database built by the Alembic migrations; dropped afterwards. Yields its
-    SQLAlchemy URL; raises ``psycopg.OperationalError`` when the server does not answer."""
+    """A new PostgreSQL database built by the Alembic migrations (a copy of this process's
+    migrated template, ``migrated_template``); dropped afterwards. Yields its SQLAlchemy URL;
+    raises ``psycopg.OperationalError`` when the server does not answer."""
     import psycopg
 
-    import migrations
-
+    template = migrated_template()
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    migrations.upgrade(url)
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
     try:
-        yield url
+        yield database_url(name)
     finally:
         from storage.db import get_engine
 
         get_engine.cache_clear()
+        drop_database(name)
+
+
+def database_url(name: str) -> str:
+    """The SQLAlchemy URL of database ``name`` on the test server."""
+    return f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+
+
+def drop_database(name: str) -> None:
+    """Drop database ``name`` (if it exists), closing its sessions."""
+    import psycopg
+
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+_template: str | None = None
+
+
+def migrated_template() -> str:
+    """The name of a database the Alembic migrations built once for this process, which
+    ``fresh_database`` copies (PostgreSQL's ``CREATE DATABASE … TEMPLATE``: a file copy, rather
+    than every migration again for each of the suite's throwaway databases). The session drops
+    it at its end (``drop_migrated_template``)."""
+    global _template
+    if _template is None:
+        import psycopg
+
+        import migrations
+
+        name = f"offpeak_template_{os.getpid()}_{secrets.token_hex(3)}"
         with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            conn.execute(f'CREATE DATABASE "{name}"')
+        try:
+            # Migrations connect without a pool: no session is left on it to block a copy.
+            migrations.upgrade(database_url(name))
+        except BaseException:
+            drop_database(name)
+            raise
+        _template = name
+    return _template
+
+
+def drop_migrated_template() -> None:
+    """Drop this process's migrated template, if it made one."""
+    global _template
+    name, _template = _template, None
+    if name is not None:
+        drop_database(name)
 
 
 def settings_from(env: dict[str, str]) -> Settings:
