@@ -1,5 +1,6 @@
 """The live stack: the API, a control worker and an engine worker on the real SmolLM2 model and
-all-MiniLM-L6-v2, for the whole session, shared by this folder's modules."""
+all-MiniLM-L6-v2, shared by this folder's modules and stopped when the last of them ends (an
+idle stack would keep polling beside the rest of the run)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ LIVE_RELEASE_AFTER_SECONDS = 3
 LIVE_KV_CACHE_BYTES = 2**30
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def live_env(base_env: dict[str, str], run_id: str) -> Iterator[dict[str, str]]:
     """The live stack's environment: its own database, so its sweep never acts on the
     in-process tests' batches (with its own settings and prices). Its engine is released 3 s
@@ -39,16 +40,16 @@ def live_env(base_env: dict[str, str], run_id: str) -> Iterator[dict[str, str]]:
         }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def live_settings(live_env: dict[str, str]) -> Settings:
     return settings_from(live_env)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def live(
     live_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServiceProcesses]:
-    """API, control worker and engine worker on the real SmolLM2 model, for the whole session."""
+    """API, control worker and engine worker on the real SmolLM2 model, for this folder."""
     with running(
         ServiceProcesses(live_env, free_port(), tmp_path_factory.mktemp("live-logs"))
     ) as stack:
