@@ -32,7 +32,13 @@ from offpeak.settings import ModelConfig, Settings
 from storage.db import session_scope
 from storage.models import WorkerRecord
 from storage.repositories import workers as workers_repo
-from tests.support.database import PG_ADMIN, fresh_database, new_key
+from tests.support.database import (
+    PG_ADMIN,
+    database_url,
+    drop_database,
+    fresh_database,
+    new_key,
+)
 from tests.support.servers import free_port
 
 MODEL = "liveness-model"
@@ -224,15 +230,14 @@ def test_readyz_503_on_an_unmigrated_database(lv_settings: Settings, run_id: str
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     try:
-        url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+        url = database_url(name)
         bare = lv_settings.model_copy(update={"database_url": url})
         answers = check_not_ready(TestClient(create_app(bare)), "schema_out_of_date")
         assert "offpeak migrate" in answers["ready"]["message"]
         assert answers["health"]["database"] == "not_migrated"
     finally:
         health_service.probe_engine(url).dispose()
-        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        drop_database(name)
 
 
 def test_readyz_503_when_the_database_goes_away(lv_settings: Settings, run_id: str) -> None:
