@@ -62,7 +62,7 @@ def live_starts_first(request: pytest.FixtureRequest) -> None:
     (``live`` itself waits only for the API; its engine worker loads SmolLM2 and
     all-MiniLM-L6-v2 while the tests before the first one on the engine run). A run that
     selected no test on it never starts it. A stack that fails to start fails the tests that
-    use it, with its error (pytest keeps a session fixture's error), and no other test."""
+    use it, with its error (pytest keeps a package fixture's error), and no other test."""
     session = request.session
     if not hasattr(session, "offpeak_live_used"):
         session.offpeak_live_used = any("live" in i.fixturenames for i in session.items)  # type: ignore[attr-defined]
