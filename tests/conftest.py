@@ -3,11 +3,12 @@ network), ``integration/`` real PostgreSQL and Redis with the instant engine, ``
 engines (every test there is marked ``engine``). The fixtures on PostgreSQL and Redis
 (``tests/support/fixtures.py``) start only when a test requests them, and a unit test may not.
 
-Under pytest-xdist (``make test``: ``-n 2 --dist loadscope``) the unit of work is a module, but
+Under pytest-xdist (``make test``: ``-n 3 --dist loadscope``) the unit of work is a module, but
 a folder under ``e2e/``, whose modules share an engine (``live/``: the live stack; ``engines/``:
 the in-process SmolLM2 engine), goes to one worker whole. The end-to-end units go out first (the
-folders, then the modules with the most tests), so neither worker is left running a long one
-alone at the end; the integration and unit modules fill in beside them.
+folders, then the modules with the most tests), to one worker per CPU, so none is left running a
+long one alone at the end; the integration and unit modules fill in beside them, and a worker
+past the CPUs runs only those.
 """
 
 from __future__ import annotations
@@ -125,11 +126,20 @@ def _uses(item: pytest.Item, fixture: str) -> bool:
     return fixture in _fixtures(item)
 
 
+def takes_engines(worker: str) -> bool:
+    """Whether xdist worker ``worker`` (``gw0``, ``gw1``, ...) runs end-to-end units: one worker
+    per CPU does (``pytest_configure`` gives each its CPU for engines); a worker past them would
+    put its engines on a CPU another's engines compute on, so it runs integration and unit
+    modules only, filling the CPU the others leave idle while they wait on their stacks."""
+    return int(worker.removeprefix("gw") or 0) < len(os.sched_getaffinity(0))
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadscope`` with ``unit_of_work`` as the scope, handed out in the collection's
     order (``pytest_collection_modifyitems``) rather than xdist's default of the most tests
-    first."""
+    first; a worker that takes no end-to-end unit (``takes_engines``) gets the first of the
+    others."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -139,6 +149,18 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     class UnitsOfWork(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
             return unit_of_work(nodeid)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if takes_engines(node.gateway.id):
+                return super()._assign_work_unit(node)
+            # The first unit of work off the end-to-end tier goes first; none left: done.
+            scope = next((s for s in self.workqueue if not s.startswith("tests/e2e/")), None)
+            if scope is None:
+                if not self._pending_of(self.assigned_work.get(node, {})):
+                    node.shutdown()
+                return None
+            self.workqueue.move_to_end(scope, last=False)
+            return super()._assign_work_unit(node)
 
     return UnitsOfWork(config, log)
 
