@@ -34,7 +34,8 @@ def model_queue(settings: Settings, model: str) -> str:
 
 
 def make_celery(settings: Settings) -> Celery:
-    """A Celery app on the configured broker (Redis, or ``offpeak.broker``: files on disk)."""
+    """A Celery app on the configured broker: Redis (``offpeak.redis_broker``), or files on disk
+    (``offpeak.broker``)."""
     broker = settings.resolved_broker_url
     app = Celery("offpeak", broker=broker, set_as_current=False)
     options: dict[str, object] = {}
@@ -56,6 +57,10 @@ def make_celery(settings: Settings) -> Celery:
     else:
         # Longer than the longest drain task, so Redis does not redeliver a task still running.
         options = {"visibility_timeout": 6 * 3600}
+        if broker.startswith("redis://"):
+            # kombu's Redis transport raises AttributeError when a channel closes after its
+            # connection was collected (a broker restart), and Celery stops the worker for it.
+            app.conf.broker_transport = "offpeak.redis_broker:Transport"
     app.conf.update(
         task_acks_late=True,
         task_reject_on_worker_lost=True,

@@ -1,6 +1,6 @@
 """The Celery worker: the workers' app (``workers.worker_app``) with the tasks registered
-(``celery -A workers.celery_worker worker``), and how a worker process stops
-(``install_stop_handling``, called by ``offpeak worker``)."""
+(``celery -A workers.celery_worker worker``), how a worker process stops
+(``install_stop_handling``) and how it runs (``run_worker``), both called by ``offpeak worker``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
+from celery.signals import worker_init, worker_ready, worker_shutdown, worker_shutting_down
 
 import workers.liveness  # noqa: F401  (registers and heartbeats the worker when ready)
 import workers.tasks  # noqa: F401  (registers the tasks on ``app``)
@@ -24,6 +24,31 @@ log = logging.getLogger(__name__)
 
 #: Exit code of a worker that had to stop before its work was handed back (Celery's EX_FAILURE).
 EXIT_FORCED = 1
+
+
+def run_worker(argv: list[str]) -> int:
+    """Run Celery's worker command (``argv``: ``["worker", "-Q", ...]``) until it stops; its exit
+    code: 0 after a warm shutdown, Celery's ``EX_FAILURE`` (1) when it stopped on an error it
+    cannot recover from (a broker that refuses its commands, say).
+
+    ``Celery.worker_main`` returns nothing, and the code it ends with never reaches its caller
+    (celery 5.x: ``Celery.start`` drops what click returns), so a worker that died would exit
+    0, and a supervisor that restarts only on failure would leave it down. The code is read off
+    the worker itself, which Celery hands to ``worker_init``.
+    """
+    started: list[Any] = []
+
+    def _keep(sender: Any = None, **_kwargs: Any) -> None:
+        started.append(sender)
+
+    worker_init.connect(_keep, weak=False)
+    try:
+        app.worker_main(argv)
+    finally:
+        worker_init.disconnect(_keep)
+    if not started:
+        return EXIT_FORCED  # Celery returned without building a worker
+    return int(started[-1].exitcode or 0)
 
 
 def force_exit(reason: str) -> None:

@@ -145,7 +145,9 @@ def worker(
     engines and exits, within ``--stop-timeout`` seconds; a second signal exits at once. Its
     children (vLLM's engine-core) die with it, even if it is SIGKILLed. An engine that does
     not start at boot is named with its ``gpu_memory_utilization`` on stderr, the engines
-    started before it are closed, and the worker exits 78 (``workers.engine.load_failure``)."""
+    started before it are closed, and the worker exits 78 (``workers.engine.load_failure``).
+    A worker Celery stops on an error it cannot recover from exits with Celery's code (1), so a
+    supervisor restarts it."""
     import logging
     import signal
 
@@ -167,7 +169,6 @@ def worker(
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=loglevel, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     from offpeak import celery_app
-    from workers.celery_worker import app as worker_app
 
     node = f"{role}-{os.getpid()}@{socket.gethostname()}"
     on_shutdown: Callable[[], None] | None = None  # an engine worker's stop
@@ -207,17 +208,19 @@ def worker(
     else:
         raise typer.BadParameter("role must be 'control' or 'engine'", param_hint="--role")
     from workers import worker_metrics
-    from workers.celery_worker import install_stop_handling
+    from workers.celery_worker import install_stop_handling, run_worker
     from workers.runner import worker_id as this_worker
 
     worker_metrics.start_server(settings, role, this_worker())  # OFFPEAK_METRICS_PORT; 0 = off
     install_stop_handling(role, stop_timeout, on_shutdown)
     try:
-        worker_app.worker_main(argv)
+        code = run_worker(argv)
     finally:
         if on_shutdown is not None:
             on_shutdown()  # if Celery ended without worker_shutdown
         process_tree.kill_children(timeout=5)
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command()

@@ -224,8 +224,10 @@ class RedisServer:
     """``redis-server`` on 127.0.0.1:``port`` as a child process, keeping nothing on disk (no
     RDB snapshots, no AOF), as the shared server runs."""
 
-    def __init__(self, root: Path, port: int, host: str = "127.0.0.1") -> None:
-        self.root, self.port, self.host = root, port, host
+    def __init__(
+        self, root: Path, port: int, host: str = "127.0.0.1", extra: tuple[str, ...] = ()
+    ) -> None:
+        self.root, self.port, self.host, self.extra = root, port, host, extra
         self.log = root / "redis.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -247,6 +249,7 @@ class RedisServer:
                 "--appendonly", "no",
                 "--dir", str(self.root),
                 "--logfile", str(self.log),
+                *self.extra,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -301,13 +304,14 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def redis_server(host: str = "127.0.0.1") -> Iterator[RedisServer]:
-    """A started throwaway Redis server on ``host``; stopped and its folder deleted afterwards.
-    Skips (fails in CI) when ``redis-server`` is missing."""
+def redis_server(host: str = "127.0.0.1", extra: tuple[str, ...] = ()) -> Iterator[RedisServer]:
+    """A started throwaway Redis server on ``host`` (``extra``: more ``redis-server``
+    arguments); stopped and its folder deleted afterwards. Skips (fails in CI) when
+    ``redis-server`` is missing."""
     if shutil.which("redis-server") is None:
         missing("redis-server")
     root = Path(tempfile.mkdtemp(prefix="offpeak-redis-"))
-    server = RedisServer(root, free_port(), host)
+    server = RedisServer(root, free_port(), host, extra)
     try:
         for attempt in range(3):  # another process took the free port first: take another
             try:
@@ -317,7 +321,7 @@ def redis_server(host: str = "127.0.0.1") -> Iterator[RedisServer]:
                 if attempt == 2:
                     raise
                 server.log.unlink()  # the next server's log starts empty
-                server = RedisServer(root, free_port(), host)
+                server = RedisServer(root, free_port(), host, extra)
         yield server
     finally:
         try:
