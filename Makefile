@@ -30,14 +30,12 @@ demo: install
 
 # The suite in three tiers, one folder each (tests/conftest.py): tests/unit needs nothing external,
 # tests/integration real PostgreSQL and Redis with the instant engine, tests/e2e real engines.
-# `make test` runs all three on two pytest-xdist workers by default (the CI machine's 2 cores):
-# the end-to-end modules first (a folder of tests/e2e/ shares an engine and stays on one worker),
-# every other module beside them; each worker's engines compute on a CPU of their own.
-# `PYTEST_WORKERS=3 make test` adds a worker that takes no engine, only integration and unit
-# modules (tests/conftest.py, takes_engines): faster, but it runs the broker-restart tests beside
-# the engines, where a Celery worker has been seen to exit on the restart. `PYTEST_WORKERS=0`:
-# one process.
-PYTEST_WORKERS ?= 2
+# `make test` runs all three on one pytest-xdist worker per CPU plus one: the end-to-end modules
+# go first to the workers one per CPU (a folder of tests/e2e/ shares an engine and stays on one
+# worker; each worker's engines compute on a CPU of their own), and the last worker, which starts
+# no engine, runs integration and unit modules in the CPU the engines leave idle while the
+# others wait on their stacks (tests/conftest.py, takes_engines). `PYTEST_WORKERS=0`: one process.
+PYTEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 test: install
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope
 
