@@ -3,12 +3,12 @@ network), ``integration/`` real PostgreSQL and Redis with the instant engine, ``
 engines (every test there is marked ``engine``). The fixtures on PostgreSQL and Redis
 (``tests/support/fixtures.py``) start only when a test requests them, and a unit test may not.
 
-Under pytest-xdist (``make test``: ``-n <CPUs + 1> --dist loadscope``) the unit of work is a module, but
-a folder under ``e2e/``, whose modules share an engine (``live/``: the live stack; ``engines/``:
-the in-process SmolLM2 engine), goes to one worker whole. The end-to-end units go out first (the
-folders, then the modules with the most tests), to one worker per CPU, so none is left running a
-long one alone at the end; the integration and unit modules fill in beside them, and a worker
-past the CPUs runs only those.
+Under pytest-xdist (``make test``: ``-n <CPUs + 1> --dist loadscope``) the unit of work is a
+module, but a folder under ``e2e/``, whose modules share an engine (``live/``: the live stack;
+``engines/``: the in-process SmolLM2 engine), goes to one worker whole. The end-to-end units go
+out first (the folders, then the modules with the most tests), to one worker per CPU, so none is
+left running a long one alone at the end; the integration and unit modules fill in beside them,
+and the worker past the CPUs runs only those.
 """
 
 from __future__ import annotations
