@@ -3,8 +3,9 @@ no child (vLLM's engine-core) outlives it, SIGKILL included. The workers run one
 on one batch of the module, and a last worker (on the instant engine: what it shows is the
 stopped workers' lines coming back, not the engine) finishes the batch with every ``custom_id``
 once.
-(A clean stop on SIGTERM, on the default two engines: ``tests/e2e/test_stop.py``; ``offpeak up``
-and the control worker's beat, on the instant engine: ``tests/integration/test_lifecycle.py``.)
+(A clean stop on SIGTERM, on the default two engines:
+``tests/e2e/live/test_engine_worker_stop.py``; ``offpeak up`` and the control worker's beat, on
+the instant engine: ``tests/integration/test_lifecycle.py``.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Waiting on processes: a process tree as it is now, those of it still running, the processes
-of a session (each service process leads one, and its children stay in it), and a stack of
-service processes on the instant engine, running for a block."""
+"""Waiting on processes: a process tree as it is now, those of it still running, when each of
+them ended, the processes of a session (each service process leads one, and its children stay
+in it), and a stack of service processes on the instant engine, running for a block."""
 
 from __future__ import annotations
 
@@ -50,6 +50,28 @@ def wait_gone(procs: list[psutil.Process], timeout: float = 20) -> list[psutil.P
     while alive(procs) and time.monotonic() < deadline:
         time.sleep(0.1)
     return alive(procs)
+
+
+def describe(proc: psutil.Process) -> str:
+    """One line for a report: pid, name, state and the start of the command line."""
+    try:
+        return f"{proc.pid} {proc.name()} [{proc.status()}] {' '.join(proc.cmdline())[:80]!r}"
+    except psutil.NoSuchProcess:
+        return f"{proc.pid} (gone)"
+
+
+def watch_until_gone(procs: list[psutil.Process], timeout: float) -> dict[int, float]:
+    """Seconds from now until each of ``procs`` ended (a zombie counts as ended); those still
+    running after ``timeout`` are absent."""
+    started, ended = time.monotonic(), {}
+    while time.monotonic() - started < timeout:
+        for proc in procs:
+            if proc.pid not in ended and not alive([proc]):
+                ended[proc.pid] = time.monotonic() - started
+        if len(ended) == len(procs):
+            break
+        time.sleep(0.1)
+    return ended
 
 
 def sessions(procs: list[psutil.Process]) -> set[int]:

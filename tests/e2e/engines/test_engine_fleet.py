@@ -3,9 +3,9 @@ filling one replica, the engine worker's lanes send the batch to the other.
 
 Replica A runs more real-time streams than its ``--max-num-seqs`` (some always waiting), so its
 lane has no free slot and real-time requests waiting; replica B (the folder's shared server) has
-none. The batch, through the
-live API and an engine worker whose model names both replicas, must finish with every
-``custom_id`` once and nothing billed twice, most of its lines answered by B.
+none. The batch, through the live API and an engine worker whose model names both replicas,
+must finish with every ``custom_id`` once and nothing billed twice, most of its lines answered
+by B.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from tests.support.batches import (
     wait_for_end,
 )
 from tests.support.database import fresh_database, new_key, settings_from
+from tests.support.processes import wait_until
 
 pytestmark = pytest.mark.engine
 log = logging.getLogger(__name__)
@@ -131,6 +132,15 @@ def fleet_env(
         }
 
 
+def waiting(server: VllmServe) -> float:
+    """Requests waiting for a sequence slot at the server now."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in server.metrics().splitlines()
+        if line.startswith("vllm:num_requests_waiting{")
+    )
+
+
 def test_batch_work_moves_to_the_replica_real_time_leaves_room_on(
     fleet_env: dict[str, str], replicas: tuple[VllmServe, VllmServe], tmp_path: Path
 ) -> None:
@@ -138,20 +148,23 @@ def test_batch_work_moves_to_the_replica_real_time_leaves_room_on(
     settings = settings_from(fleet_env)
     stack = ServiceProcesses(fleet_env, free_port(), tmp_path)
     before = successes(b)
-    with Streams(a.url) as streams:
-        stack.start()
-        try:
-            stack.wait_http()
-            client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=new_key(settings))
-            ids = [f"f{i}" for i in range(LINES)]
-            lines = [chat_line(i, f"Name a colour, {i}.", max_tokens=16) for i in ids]
+    stack.start()
+    try:
+        stack.wait_http()
+        client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=new_key(settings))
+        ids = [f"f{i}" for i in range(LINES)]
+        lines = [chat_line(i, f"Name a colour, {i}.", max_tokens=16) for i in ids]
+        # The real-time users start once the stack is up (A decodes for them until the batch
+        # ends), and the batch comes when A's slots are full and requests wait there.
+        with Streams(a.url) as streams:
+            wait_until(lambda: waiting(a) > 0, 120, "real-time requests waiting at A")
             batch = wait_for_end(client, submit(client, lines).id, stack)
-            output, errors = check_ran_batch(client, batch, ids)
-            assert batch.status == "completed" and not errors and len(output) == LINES
-            check_billed_once(settings.resolved_database_url, batch)
-        finally:
-            stack.stop()
-        on_b = successes(b) - before
+        output, errors = check_ran_batch(client, batch, ids)
+        assert batch.status == "completed" and not errors and len(output) == LINES
+        check_billed_once(settings.resolved_database_url, batch)
+    finally:
+        stack.stop()
+    on_b = successes(b) - before
     log.warning("batch lines answered by B: %d of %d; real-time at A: %d", on_b, LINES,
                 streams.done)  # fmt: skip
     assert streams.done > 0

@@ -1,11 +1,13 @@
 """The live stack: the API, a control worker and an engine worker on the real SmolLM2 model and
 all-MiniLM-L6-v2, shared by this folder's modules and stopped when the last of them ends (an
-idle stack would keep polling beside the rest of the run)."""
+idle stack would keep polling beside the rest of the run). A test marked ``ends_live_engine``
+stops the engine worker, so it runs after the folder's other tests."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
@@ -21,6 +23,18 @@ from tests.support.smollm2 import default_models_json
 LIVE_RELEASE_AFTER_SECONDS = 3
 #: The live chat engine's KV cache: room for the tests' biggest batch many sequences at a time.
 LIVE_KV_CACHE_BYTES = 2**30
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The folder's tests marked ``ends_live_engine`` move after its last other test (after
+    ``tests/conftest.py`` has ordered the run: the folder's tests are together by then)."""
+    folder = Path(__file__).parent
+    ours = [i for i, item in enumerate(items) if Path(item.path).parent == folder]
+    if not ours:
+        return
+    last = [items[i] for i in ours if items[i].get_closest_marker("ends_live_engine")]
+    rest = [items[i] for i in ours if not items[i].get_closest_marker("ends_live_engine")]
+    items[ours[0] : ours[-1] + 1] = rest + last
 
 
 @pytest.fixture(scope="package")
