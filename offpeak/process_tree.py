@@ -7,6 +7,8 @@
 - ``adopt_orphans``: descendants whose parent dies stay this process's descendants.
 - ``kill_children``: end every descendant of a process (a worker's last act before it exits).
 - ``kill_group``: SIGKILL what is left of a child's process group.
+- ``exit_without_teardown``: a worker's exit once its work is handed back, without the
+  interpreter's teardown.
 
 Used by the workers (``offpeak worker``, ``workers.celery_worker``) and by the supervisor of
 ``offpeak up`` (``offpeak.cli.supervisor``). Standard library and psutil only.
@@ -20,6 +22,7 @@ import functools
 import os
 import signal
 import sys
+from typing import NoReturn
 
 #: prctl(2) option: the signal a process gets when the thread that started it ends.
 _PR_SET_PDEATHSIG = 1
@@ -136,6 +139,22 @@ def kill_children(timeout: float = 5.0, pid: int | None = None) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
     psutil.wait_procs(children, timeout=5)
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """Exit with ``code`` at once: flush the log handlers and the standard streams, then
+    ``os._exit``. What it skips is the interpreter's teardown (``atexit`` callbacks, then every
+    module's objects freed): for a process that loaded torch and vLLM, seconds more on a busy
+    host, and past a worker's stop timeout, since the daemon thread that enforces that timeout
+    cannot run once ``Py_FinalizeEx`` has begun freeing modules. For a process whose work is
+    handed back and whose children are gone."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def kill_group(pgid: int) -> None:

@@ -219,8 +219,9 @@ def worker(
         if on_shutdown is not None:
             on_shutdown()  # if Celery ended without worker_shutdown
         process_tree.kill_children(timeout=5)
-    if code:
-        raise typer.Exit(code)
+    # Handed back and closed: the interpreter's own teardown would only add seconds, outside
+    # the stop timeout.
+    process_tree.exit_without_teardown(code)
 
 
 @app.command()
