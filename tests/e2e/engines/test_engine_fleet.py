@@ -20,11 +20,14 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
+from sqlalchemy import select
 
 from bench.realtime import RtRecord, stream_chat
 from bench.servers import VllmServe, free_port
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import DEFAULT_MODEL
+from storage.db import session_scope
+from storage.models import WorkerRecord
 from tests.support.batches import (
     chat_line,
     check_billed_once,
@@ -141,6 +144,15 @@ def waiting(server: VllmServe) -> float:
     )
 
 
+def engine_worker_ready(database_url: str) -> bool:
+    """Whether an engine worker has said it is ready (its replicas joined, Celery consuming)."""
+    with session_scope(database_url) as session:
+        found = session.scalars(
+            select(WorkerRecord).where(WorkerRecord.role == "engine", WorkerRecord.ready)
+        ).first()
+        return found is not None
+
+
 def test_batch_work_moves_to_the_replica_real_time_leaves_room_on(
     fleet_env: dict[str, str], replicas: tuple[VllmServe, VllmServe], tmp_path: Path
 ) -> None:
@@ -154,8 +166,11 @@ def test_batch_work_moves_to_the_replica_real_time_leaves_room_on(
         client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=new_key(settings))
         ids = [f"f{i}" for i in range(LINES)]
         lines = [chat_line(i, f"Name a colour, {i}.", max_tokens=16) for i in ids]
-        # The real-time users start once the stack is up (A decodes for them until the batch
-        # ends), and the batch comes when A's slots are full and requests wait there.
+        url = settings.resolved_database_url
+        ready = lambda: stack.check_alive() or engine_worker_ready(url)  # noqa: E731
+        wait_until(ready, 300, "engine worker ready")
+        # The real-time users start once the engine worker is up (A decodes for them until the
+        # batch ends), and the batch comes when A's slots are full and requests wait there.
         with Streams(a.url) as streams:
             wait_until(lambda: waiting(a) > 0, 120, "real-time requests waiting at A")
             batch = wait_for_end(client, submit(client, lines).id, stack)
