@@ -20,14 +20,13 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
-from sqlalchemy import select
 
 from bench.realtime import RtRecord, stream_chat
 from bench.servers import VllmServe, free_port
 from offpeak.cli.supervisor import ServiceProcesses
 from offpeak.settings import DEFAULT_MODEL
 from storage.db import session_scope
-from storage.models import WorkerRecord
+from storage.repositories import workers as workers_repo
 from tests.support.batches import (
     chat_line,
     check_billed_once,
@@ -37,6 +36,7 @@ from tests.support.batches import (
 )
 from tests.support.database import fresh_database, new_key, settings_from
 from tests.support.processes import wait_until
+from workers.vllm_metrics import WAITING, parse_metrics
 
 pytestmark = pytest.mark.engine
 log = logging.getLogger(__name__)
@@ -137,20 +137,13 @@ def fleet_env(
 
 def waiting(server: VllmServe) -> float:
     """Requests waiting for a sequence slot at the server now."""
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in server.metrics().splitlines()
-        if line.startswith("vllm:num_requests_waiting{")
-    )
+    return parse_metrics(server.metrics(), [WAITING]).get(WAITING, 0.0)
 
 
 def engine_worker_ready(database_url: str) -> bool:
     """Whether an engine worker has said it is ready (its replicas joined, Celery consuming)."""
     with session_scope(database_url) as session:
-        found = session.scalars(
-            select(WorkerRecord).where(WorkerRecord.role == "engine", WorkerRecord.ready)
-        ).first()
-        return found is not None
+        return any(w.role == "engine" and w.ready for w in workers_repo.seen_since(session, 0))
 
 
 def test_batch_work_moves_to_the_replica_real_time_leaves_room_on(

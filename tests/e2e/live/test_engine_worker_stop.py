@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from offpeak.cli.supervisor import ServiceProcesses
-from offpeak.settings import Settings
+from offpeak.settings import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL, Settings
 from tests.e2e.test_lifecycle import held_by, status_of
 from tests.support.batches import (
     check_billed_once,
@@ -38,13 +38,13 @@ pytestmark = [pytest.mark.engine, pytest.mark.ends_live_engine]
 
 #: ``offpeak worker --stop-timeout``'s default: seconds from SIGTERM to the worker's exit.
 STOP_TIMEOUT = 25.0
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = DEFAULT_MODEL
 
 
 def test_sigterm_ends_the_two_engine_worker_tree_within_its_stop_timeout(
     live: ServiceProcesses, live_sdk: OpenAI, live_settings: Settings
 ) -> None:
-    assert set(live_settings.served_models) == {MODEL, "all-MiniLM-L6-v2"}
+    assert set(live_settings.served_models) == {MODEL, DEFAULT_EMBEDDING_MODEL}
     ids = [f"stop-{i}" for i in range(120)]
     batch_id = story_batch(live_sdk, MODEL, ids, base_tokens=16)
     worker = live.procs["engine"]
