@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from workers.engine import cpu_binding
-from workers.engine.cpu_binding import Claims, assign, choose, plan
+from workers.engine.cpu_binding import Claims, assign, choose, omp_environment, plan
 
 
 def test_two_engines_on_a_two_cpu_host_get_a_cpu_each() -> None:
@@ -91,3 +93,26 @@ def test_offpeak_up_tells_its_engine_workers_how_many_engines_the_host_runs(
     assert host_engines(1, "chat") == {"OFFPEAK_HOST_ENGINES": "1"}
     monkeypatch.setenv("OFFPEAK_HOST_ENGINES", "3")
     assert host_engines(1, None) == {}
+
+
+@pytest.mark.parametrize(
+    ("bind", "preload", "expected"),
+    [
+        ("1", "", {"OMP_NUM_THREADS": "1", "OMP_PLACES": "{1}", "OMP_PROC_BIND": "true"}),
+        ("0-2,5", "", {"OMP_NUM_THREADS": "4", "OMP_PLACES": "{0,1,2,5}", "OMP_PROC_BIND": "true"}),
+        (
+            "0-1",
+            "/usr/lib/libiomp5.so",
+            {"OMP_NUM_THREADS": "2", "KMP_AFFINITY": "granularity=fine,explicit,proclist=[0,1]"},
+        ),
+        ("4,6", "/usr/lib/libgomp.so.1", {"OMP_NUM_THREADS": "2", "GOMP_CPU_AFFINITY": "4 6"}),
+        (None, "", {}),
+        ("auto", "", {}),
+        ("nobind", "", {}),
+        ("0-1|2-3", "", {}),
+    ],
+)
+def test_a_cpu_list_becomes_openmps_binding(
+    bind: str | None, preload: str, expected: dict[str, str]
+) -> None:
+    assert omp_environment(bind, preload) == expected

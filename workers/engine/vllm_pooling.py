@@ -21,12 +21,9 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +38,9 @@ from workers.engine.base import (
 )
 from workers.engine.vllm_shared import (
     engine_core_dead,
+    engine_core_environment,
     engine_kwargs,
+    process_environment,
     request_errors,
     tokens_prompt,
     watch_engine_core,
@@ -136,7 +135,7 @@ class VllmPoolingEngine:
             kwargs.pop("block_size", None)
         started = time.monotonic()
         logger.info("loading embedding model %s from %s into vLLM", name, model_path)
-        with _environment(ENGINE_PROCESS_ENV):
+        with process_environment({**ENGINE_PROCESS_ENV, **engine_core_environment(kwargs)}):
             llm = LLM(**kwargs)
         logger.info("embedding model %s loaded in %.1f s", name, time.monotonic() - started)
         return cls(llm, name)
@@ -297,19 +296,6 @@ class VllmPoolingEngine:
         engine.engine_core.shutdown()
         del engine
         gc.collect()
-
-
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """Set ``values`` in ``os.environ`` (those not set already) for the block, then put the
-    environment back as it was; processes started inside inherit them."""
-    added = {key: value for key, value in values.items() if key not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
 
 
 def _vector_bytes(data: Any) -> bytes:

