@@ -109,12 +109,14 @@ def on_cpu() -> bool:
 def engine_kwargs(name: str, config: ModelConfig, model_dir: Path, cpu: bool) -> dict[str, Any]:
     """The ``vllm.LLM`` arguments Offpeak's engine uses for ``config`` on this device
     (``workers.engine.vllm_engine.engine_kwargs``: dtype, chunked prefill and KV block size
-    resolved), minus the model folder (given apart) and Offpeak's own choice, the priority
-    scheduler. Prompts as token ids are Offpeak's other choice; the raw legs send messages."""
+    resolved), minus the model folder (given apart) and Offpeak's own choices, the priority
+    scheduler and, on a CPU, the in-process executor (``docs/engine.md``): the raw legs run
+    vLLM's default. Prompts as token ids are Offpeak's other choice; the raw legs send
+    messages."""
     from workers.engine.vllm_engine import engine_kwargs as offpeak_kwargs
 
     kwargs = offpeak_kwargs(name, config, model_dir, on_cpu=cpu)
-    for key in ("model", "tokenizer", "scheduling_policy"):
+    for key in ("model", "tokenizer", "scheduling_policy", "distributed_executor_backend"):
         kwargs.pop(key, None)
     return kwargs
 

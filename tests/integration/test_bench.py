@@ -69,14 +69,15 @@ def test_e2e_requests_share_a_long_system_prompt_on_half() -> None:
 
 def test_raw_legs_run_the_engine_offpeak_loads() -> None:
     """The raw legs get the settings Offpeak's engine resolves on the device (block size,
-    dtype, chunked prefill), less the model folder and Offpeak's own priority scheduler."""
+    dtype, chunked prefill), less the model folder and Offpeak's own choices: the priority
+    scheduler and the in-process executor on a CPU (the raw legs run vLLM's default)."""
     folder = Path("/models/m")
     config = ModelConfig(path=str(folder), max_num_seqs=256)
     raw = e2e.engine_kwargs("m", config, folder, cpu=True)
     offpeak = engine_kwargs("m", config, folder, on_cpu=True)
-    assert raw == {
-        k: v for k, v in offpeak.items() if k not in ("model", "tokenizer", "scheduling_policy")
-    }
+    ours = ("model", "tokenizer", "scheduling_policy", "distributed_executor_backend")
+    assert "distributed_executor_backend" in offpeak
+    assert raw == {k: v for k, v in offpeak.items() if k not in ours}
     assert raw["block_size"] == offpeak["block_size"] and raw["enable_chunked_prefill"] is False
     flags = e2e.run_batch_flags(raw)
     assert flags[flags.index("--block-size") + 1] == str(raw["block_size"])
