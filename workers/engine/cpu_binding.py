@@ -81,6 +81,16 @@ def parse_cpu_list(text: str) -> set[int]:
     return out
 
 
+def thread_cpus(task: Path) -> set[int]:
+    """The CPUs one thread may run on: ``task`` is its ``/proc/<pid>/task/<tid>`` folder, read
+    from the ``Cpus_allowed_list`` row of its ``status`` (an empty set when the row is missing).
+    Raises ``OSError`` when the thread is gone."""
+    for row in (task / "status").read_text().splitlines():
+        if row.startswith("Cpus_allowed_list:"):
+            return parse_cpu_list(row.split(":", 1)[1])
+    return set()
+
+
 def pinned_by_vllm(proc: Path, host: set[int]) -> Counter[int]:
     """Engines per CPU among the vLLM processes under ``proc`` (``/proc``): a process whose
     name or command line says vLLM counts once on each CPU one of its threads is pinned to (a
@@ -96,11 +106,9 @@ def pinned_by_vllm(proc: Path, host: set[int]) -> Counter[int]:
                 continue
             pinned: set[int] = set()
             for task in (entry / "task").iterdir():
-                for row in (task / "status").read_text().splitlines():
-                    if row.startswith("Cpus_allowed_list:"):
-                        cpus = parse_cpu_list(row.split(":", 1)[1])
-                        if cpus and cpus < host:
-                            pinned |= cpus
+                cpus = thread_cpus(task)
+                if cpus and cpus < host:
+                    pinned |= cpus
         except OSError:
             continue
         load.update(pinned)

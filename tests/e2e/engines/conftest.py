@@ -48,7 +48,9 @@ def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[V
     its tests); no test stops it: one that takes it away cuts a proxy in front of it."""
     started = time.monotonic()
     log_path = tmp_path_factory.mktemp("vllm") / "serve.log"
-    server = VllmServe(folder, DEFAULT_MODEL, free_port(), log_path, dies_with_this_process=True)
+    server = VllmServe(
+        folder, DEFAULT_MODEL, free_port(), log_path, dies_with_this_process=True, one_process=True
+    )
     server.start()
     try:
         server.wait_ready()

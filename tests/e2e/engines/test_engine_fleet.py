@@ -56,7 +56,7 @@ def replicas(
     # the live stack's engines without running the machine out of memory.
     log_path = tmp_path_factory.mktemp("fleet") / "a.log"
     busy = VllmServe(folder, MODEL, free_port(), log_path, ("--max-num-seqs", str(SEQS)),
-                     dies_with_this_process=True, kv_cache_gib=1)  # fmt: skip
+                     dies_with_this_process=True, kv_cache_gib=1, one_process=True)  # fmt: skip
     busy.start()
     try:
         free: VllmServe = request.getfixturevalue("server")

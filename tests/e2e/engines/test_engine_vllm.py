@@ -26,7 +26,7 @@ from offpeak.settings import ModelConfig
 from tests.support.engines import chat, one, request, run
 from tests.support.smollm2 import close_smollm2_engine
 from workers.engine.base import EngineRequest, SamplingSpec
-from workers.engine.cpu_binding import BIND_VARIABLE, format_cpus, parse_cpu_list
+from workers.engine.cpu_binding import BIND_VARIABLE, format_cpus, parse_cpu_list, thread_cpus
 from workers.engine_io import LineError, prepare
 from workers.model_store import ModelUnavailableError, ensure_model
 
@@ -66,15 +66,7 @@ def test_the_model_runs_in_the_engine_core_process_on_the_bound_cpu(engine) -> N
     assert core.name() == "VLLM::EngineCore"
     assert not [c.name() for c in core.children(recursive=True) if c.name().startswith("VLLM::")]
     allowed = {
-        thread.id: parse_cpu_list(
-            next(
-                row.split(":", 1)[1]
-                for row in Path(f"/proc/{core.pid}/task/{thread.id}/status")
-                .read_text()
-                .splitlines()
-                if row.startswith("Cpus_allowed_list:")
-            )
-        )
+        thread.id: thread_cpus(Path(f"/proc/{core.pid}/task/{thread.id}"))
         for thread in core.threads()
     }
     assert allowed and all(cpus <= bound for cpus in allowed.values()), (bound, allowed)
