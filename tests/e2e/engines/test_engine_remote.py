@@ -8,13 +8,15 @@ the same line), that a batch through the live API and an engine worker with ``en
 finishes with every ``custom_id`` once, that a server gone mid-batch (connections reset, then
 refused) fails no line and bills nothing twice, that an aborted request stops generating at the
 server, and that a co-served batch is charged its share of the server's time from the server's
-own counters.
+own counters. The server stands in for a user's: it runs vLLM's in-process executor
+(``VllmServe(one_process=True)``) to spare the suite a second process, which a test checks.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ from typing import Any
 
 import httpx
 import orjson
+import psutil
 import pytest
 from openai import OpenAI
 from sqlalchemy import func, select
@@ -48,6 +51,7 @@ from tests.support.database import fresh_database, new_key, settings_from
 from tests.support.engines import chat, one, request, run
 from tests.support.processes import running
 from tests.support.tcp_proxy import TcpProxy
+from workers.engine.cpu_binding import BIND_VARIABLE, format_cpus, parse_cpu_list, thread_cpus
 from workers.engine.remote import RemoteEngine
 from workers.engine.remote_tokenizer import ServerTokenizer, local_tokenizer
 from workers.runner.server_share import ServerShare, server_weight, weighted_tokens
@@ -85,6 +89,26 @@ def test_connect_reads_the_servers_context_window(engine: RemoteEngine) -> None:
     assert engine.max_model_len == 2048
     assert engine.metrics_url == f"{engine.base_url}/metrics"
     assert engine.capabilities.max_num_seqs == engine.max_in_flight == 64
+
+
+def test_the_stand_in_server_runs_its_model_in_its_engine_core(server: VllmServe) -> None:
+    """``VllmServe(one_process=True)``: one ``VLLM::`` process under the server, and its
+    threads on the CPUs of ``VLLM_CPU_OMP_THREADS_BIND`` (every CPU of this process without
+    it)."""
+    assert server.proc is not None
+    (core,) = [
+        child
+        for child in psutil.Process(server.proc.pid).children(recursive=True)
+        if child.name().startswith("VLLM::")
+    ]
+    assert core.name() == "VLLM::EngineCore"
+    bound = parse_cpu_list(
+        os.environ.get(BIND_VARIABLE) or format_cpus(sorted(os.sched_getaffinity(0)))
+    )
+    assert all(
+        thread_cpus(Path(f"/proc/{core.pid}/task/{thread.id}")) <= bound
+        for thread in core.threads()
+    )
 
 
 def test_answers_capital_of_france(engine: RemoteEngine) -> None:
