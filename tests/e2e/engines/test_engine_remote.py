@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -49,9 +48,8 @@ from tests.support.batches import (
 )
 from tests.support.database import fresh_database, new_key, settings_from
 from tests.support.engines import chat, one, request, run
-from tests.support.processes import running
+from tests.support.processes import one_engine_core_on_bound_cpus, running
 from tests.support.tcp_proxy import TcpProxy
-from workers.engine.cpu_binding import BIND_VARIABLE, format_cpus, parse_cpu_list, thread_cpus
 from workers.engine.remote import RemoteEngine
 from workers.engine.remote_tokenizer import ServerTokenizer, local_tokenizer
 from workers.runner.server_share import ServerShare, server_weight, weighted_tokens
@@ -96,19 +94,7 @@ def test_the_stand_in_server_runs_its_model_in_its_engine_core(server: VllmServe
     threads on the CPUs of ``VLLM_CPU_OMP_THREADS_BIND`` (every CPU of this process without
     it)."""
     assert server.proc is not None
-    (core,) = [
-        child
-        for child in psutil.Process(server.proc.pid).children(recursive=True)
-        if child.name().startswith("VLLM::")
-    ]
-    assert core.name() == "VLLM::EngineCore"
-    bound = parse_cpu_list(
-        os.environ.get(BIND_VARIABLE) or format_cpus(sorted(os.sched_getaffinity(0)))
-    )
-    assert all(
-        thread_cpus(Path(f"/proc/{core.pid}/task/{thread.id}")) <= bound
-        for thread in core.threads()
-    )
+    one_engine_core_on_bound_cpus(psutil.Process(server.proc.pid).children(recursive=True))
 
 
 def test_answers_capital_of_france(engine: RemoteEngine) -> None:

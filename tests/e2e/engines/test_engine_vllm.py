@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -24,9 +23,9 @@ import pytest
 
 from offpeak.settings import ModelConfig
 from tests.support.engines import chat, one, request, run
+from tests.support.processes import one_engine_core_on_bound_cpus
 from tests.support.smollm2 import close_smollm2_engine
 from workers.engine.base import EngineRequest, SamplingSpec
-from workers.engine.cpu_binding import BIND_VARIABLE, format_cpus, parse_cpu_list, thread_cpus
 from workers.engine_io import LineError, prepare
 from workers.model_store import ModelUnavailableError, ensure_model
 
@@ -57,19 +56,8 @@ def test_the_model_runs_in_the_engine_core_process_on_the_bound_cpu(engine) -> N
     """One vLLM process per CPU engine (``docs/engine.md``): no model-runner process of its
     own, and every thread of the engine-core process on the CPUs of
     ``VLLM_CPU_OMP_THREADS_BIND`` (``tests/conftest.py`` gives this xdist worker one)."""
-    # Without xdist nothing sets the variable: every CPU of this process.
-    bound = parse_cpu_list(
-        os.environ.get(BIND_VARIABLE) or format_cpus(sorted(os.sched_getaffinity(0)))
-    )
     # This process's own engine (the folder's `vllm serve` has its processes under its own).
-    (core,) = [child for child in psutil.Process().children() if child.name().startswith("VLLM::")]
-    assert core.name() == "VLLM::EngineCore"
-    assert not [c.name() for c in core.children(recursive=True) if c.name().startswith("VLLM::")]
-    allowed = {
-        thread.id: thread_cpus(Path(f"/proc/{core.pid}/task/{thread.id}"))
-        for thread in core.threads()
-    }
-    assert allowed and all(cpus <= bound for cpus in allowed.values()), (bound, allowed)
+    one_engine_core_on_bound_cpus(psutil.Process().children())
     # It still answers from there.
     assert one(engine, request(chat(engine, "Say hi."), max_tokens=2)).completions
 
